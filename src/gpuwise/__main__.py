@@ -1,0 +1,5 @@
+import sys
+
+from gpuwise.cli import main
+
+sys.exit(main())

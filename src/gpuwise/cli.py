@@ -1,0 +1,193 @@
+"""The `gpuwise` command: parses, calls, prints (rich) or emits --json. Nothing else lives here."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from gpuwise import __version__
+from gpuwise.errors import GpuwiseError
+from gpuwise.plan.presets import PRESETS
+
+app = typer.Typer(
+    help="Know what an AI workload needs (memory, time, cost on every accelerator), then run it.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+# Piped output (CI logs, a README) would wrap at rich's 80-column default; a terminal keeps its own width.
+console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 120)
+# typer vendors click since 0.20; reach its UsageError through a public class, whichever click it is.
+UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+Task = Enum("Task", {t: t for t in ("inference", "finetune", "lora", "qlora", "pretrain")}, type=str)
+Precision = Enum("Precision", {p: p for p in ("fp32", "bf16", "fp16", "fp8")}, type=str)
+Optimizer = Enum("Optimizer", {o: o for o in ("adamw", "adamw-8bit", "sgd")}, type=str)
+Checkpointing = Enum("Checkpointing", {c: c for c in ("none", "selective", "full")}, type=str)
+LoraTargets = Enum("LoraTargets", {t: t for t in ("all-linear", "attn")}, type=str)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+CatalogOpt = Annotated[
+    Optional[list[Path]],
+    typer.Option("--catalog", help="A CSV of your own accelerators or prices (same columns as `gpuwise hardware "
+                 "--json` rows; see README). Repeatable; also GPUWISE_CATALOG=FILE[:FILE].", metavar="FILE"),
+]
+
+
+def _emit(data: dict) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _catalog(files):
+    from gpuwise.hardware.catalog import load_catalog
+
+    return load_catalog(files)
+
+
+def _version(value: bool):
+    if value:
+        typer.echo(f"gpuwise {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                 help="Print the version and exit.")] = False):
+    """Plan (memory, time, cost per accelerator), inspect this machine, and more to come."""
+
+
+@app.command()
+def hardware(
+    slug: Annotated[Optional[str], typer.Argument(help="Show one accelerator with every source, e.g. h100-sxm.")] = None,
+    catalog: CatalogOpt = None,
+    as_json: JsonOpt = False,
+):
+    """The accelerator catalog: memory, bandwidth, dense peaks, power, prices, each with source and date."""
+    from dataclasses import asdict
+
+    from gpuwise.views import render_accelerator, render_hardware
+
+    cat = _catalog(catalog)
+    if as_json:
+        accs = [cat.get(slug)] if slug else list(cat.accelerators.values())
+        _emit({"accelerators": [asdict(a) for a in accs],
+               "cloud_prices": [asdict(p) for p in cat.cloud if any(p.slug == a.slug for a in accs)],
+               "purchase_prices": [asdict(p) for p in cat.purchase if any(p.slug == a.slug for a in accs)]})
+    elif slug:
+        render_accelerator(console, cat, slug)
+    else:
+        render_hardware(console, cat)
+
+
+@app.command()
+def devices(catalog: CatalogOpt = None, as_json: JsonOpt = False):
+    """What is here: CPU, CUDA GPUs, MPS, their peaks, and what `gpuwise train` would pick.
+
+    The CPU's FP32 peak is derived as cores x FLOP/cycle (from its ISA) x clock, and printed so.
+    """
+    from gpuwise.hardware.devices import detect
+
+    dev = detect(_catalog(catalog))
+    if as_json:
+        _emit(dev.as_dict())
+    else:
+        from gpuwise.views import render_devices
+
+        render_devices(console, dev)
+
+
+@app.command(epilog="Presets: " + ", ".join(PRESETS) + ".")
+def plan(
+    model: Annotated[str, typer.Option(help="A preset (listed below), a Hugging Face config.json (or its folder), "
+                                            "or dimensions: layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256.")],
+    task: Annotated[Task, typer.Option(help="What to plan for.")] = Task.inference,
+    batch: Annotated[int, typer.Option(help="Sequences per step (per micro-batch when training).")] = 1,
+    seq: Annotated[int, typer.Option(help="Tokens per sequence (the prompt, for inference).")] = 2048,
+    gen: Annotated[Optional[int], typer.Option(help="Inference: tokens generated per sequence [256].")] = None,
+    tokens: Annotated[Optional[float], typer.Option(help="Total tokens: trained on, or generated for inference.")] = None,
+    epochs: Annotated[Optional[float], typer.Option(help="Passes over --dataset-tokens [1].")] = None,
+    dataset_tokens: Annotated[Optional[float], typer.Option(help="Tokens in the training set [fine-tune: 10 M; "
+                                                                 "pre-train: 20 x params].")] = None,
+    precision: Annotated[Precision, typer.Option(help="Weights/compute precision (training: mixed with fp32 "
+                                                      "master weights).")] = Precision.bf16,
+    optimizer: Annotated[Optional[Optimizer], typer.Option(help="Training optimizer [adamw].")] = None,
+    checkpointing: Annotated[Optional[Checkpointing], typer.Option(help="Activation recompute [none].")] = None,
+    flash_attention: Annotated[bool, typer.Option(help="A fused attention kernel (no s x s scores kept).")] = True,
+    lora_rank: Annotated[Optional[int], typer.Option(help="LoRA/QLoRA rank [16].")] = None,
+    lora_targets: Annotated[Optional[LoraTargets], typer.Option(help="all-linear: q,k,v,o + MLP; attn: q,k,v,o "
+                                                                     "[all-linear].")] = None,
+    gpu: Annotated[Optional[str], typer.Option(help="One accelerator slug (see `gpuwise hardware`); "
+                                                    "default: sweep the catalog.")] = None,
+    gpus: Annotated[Optional[int], typer.Option(help="GPU count [the fewest that fit].")] = None,
+    tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel degree.")] = None,
+    pp: Annotated[Optional[int], typer.Option(help="Pipeline-parallel stages.")] = None,
+    zero: Annotated[Optional[int], typer.Option(help="ZeRO stage over data parallel (3 = FSDP) [3 when DP > 1].")] = None,
+    efficiency: Annotated[Optional[float], typer.Option(help="Fraction of dense peak achieved [0.462, PaLM MFU].")] = None,
+    provider: Annotated[Optional[str], typer.Option(help="Only this cloud provider's prices.")] = None,
+    life_years: Annotated[Optional[float], typer.Option(help="On-prem: years to amortize the purchase [4].")] = None,
+    utilization: Annotated[Optional[float], typer.Option(help="On-prem: share of the life the GPUs are busy [0.6].")] = None,
+    kwh_usd: Annotated[Optional[float], typer.Option(help="On-prem: electricity, USD per kWh [0.15].")] = None,
+    pue: Annotated[Optional[float], typer.Option(help="On-prem: data-centre PUE [1.4].")] = None,
+    catalog: CatalogOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Memory, time and cost of a model x task on every accelerator of the catalog (or one, with --gpu).
+
+    Example: gpuwise plan --model llama-3.1-8b --task qlora
+    """
+    from gpuwise.plan.model import resolve_model
+    from gpuwise.plan.planner import make_plan
+    from gpuwise.plan.request import PlanRequest
+
+    def val(e):
+        return e.value if isinstance(e, Enum) else e
+
+    req = PlanRequest(
+        task=val(task), batch=batch, seq=seq, gen=gen, tokens=tokens, epochs=epochs, dataset_tokens=dataset_tokens,
+        precision=val(precision), optimizer=val(optimizer), checkpointing=val(checkpointing),
+        flash_attention=flash_attention, lora_rank=lora_rank, lora_targets=val(lora_targets), gpu=gpu, gpus=gpus,
+        tp=tp, pp=pp, zero=zero, efficiency=efficiency, provider=provider, life_years=life_years,
+        utilization=utilization, kwh_usd=kwh_usd, pue=pue,
+    )
+    result = make_plan(resolve_model(model), req, _catalog(catalog))
+    if as_json:
+        _emit(result)
+    else:
+        from gpuwise.views import render_plan
+
+        render_plan(console, result, sweep=gpu is None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: bad input of any kind is one line on stderr and exit code 2, never a traceback."""
+    command = typer.main.get_command(app)
+    try:
+        command.main(args=argv, prog_name="gpuwise", standalone_mode=False)
+    except GpuwiseError as e:
+        print(f"gpuwise: error: {e}", file=sys.stderr)
+        return 2
+    except UsageError as e:
+        if not e.format_message():  # a bare `gpuwise`: the help was printed
+            return 0
+        hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
+        print(f"gpuwise: error: {e.format_message()}{hint}", file=sys.stderr)
+        return 2
+    except typer.Exit as e:
+        return e.exit_code
+    except typer.Abort:
+        print("gpuwise: aborted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

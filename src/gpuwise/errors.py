@@ -1,0 +1,17 @@
+"""The one error type a user sees: the CLI prints its message as one line and exits 2."""
+
+
+class GpuwiseError(Exception):
+    """Bad input or an impossible request. The message is the whole story for the user."""
+
+
+def closest(word: str, choices, n: int = 3) -> str:
+    """'closest: a, b, c' for an unknown name, or '' when nothing is near."""
+    import difflib
+
+    choices = list(choices)
+    near = difflib.get_close_matches(word.lower(), choices, n=n, cutoff=0.5)
+    if not near:
+        # Substring hits catch "h100" -> h100-sxm/h100-pcie, which difflib ranks low.
+        near = [c for c in choices if word.lower() in c][:n]
+    return f" (closest: {', '.join(near)})" if near else ""

@@ -1,0 +1,212 @@
+"""Human output: rich tables for hardware, devices and plans. JSON output never passes here."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from gpuwise.hardware.catalog import Catalog
+from gpuwise.hardware.devices import Devices
+
+GiB = 2**30
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:,.1f} GiB" if n < 1000 * GiB else f"{n / 2**40:,.1f} TiB"
+
+
+def hours(h: float) -> str:
+    if h < 1 / 60:
+        return f"{h * 3600:.0f} s"
+    if h < 1:
+        return f"{h * 60:.0f} min"
+    if h < 48:
+        return f"{h:.1f} h"
+    if h < 24 * 365:
+        return f"{h / 24:.1f} days"
+    return f"{h / 24 / 365:.1f} years"
+
+
+def usd(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x >= 1e6:
+        return f"${x / 1e6:,.2f} M"
+    return f"${x:,.2f}" if x < 1000 else f"${x:,.0f}"
+
+
+def count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def opt(x, fmt="{:g}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def render_hardware(console: Console, catalog: Catalog) -> None:
+    t = Table(title="Accelerator catalog (dense peaks; `gpuwise hardware SLUG` for every source)")
+    for col in ("slug", "name", "memory", "GB/s", "FP32", "BF16", "FP8", "TDP W", "cheapest cloud $/GPU-h", "buy $/GPU"):
+        t.add_column(col, justify="left" if col in ("slug", "name") else "right")
+    for a in catalog.accelerators.values():
+        prices = catalog.prices(a.slug)
+        cloud = f"{prices[0].usd_per_gpu_hour:.2f} ({prices[0].provider})" if prices else "-"
+        buy = catalog.purchase_price(a.slug)
+        t.add_row(a.slug, a.name, f"{a.mem_gb:g} GiB", f"{a.mem_bw_gbs:g}", opt(a.fp32_tflops), opt(a.bf16_tflops),
+                  opt(a.fp8_tflops), opt(a.tdp_w), cloud, usd(buy.usd_per_gpu) if buy else "-")
+    console.print(t)
+    console.print("TFLOPS are dense (no sparsity). Memory in GiB as vendors count HBM/GDDR. "
+                  "Rows not marked otherwise come from the built-in catalog (shared/reference, compiled 2026-11).")
+
+
+def render_accelerator(console: Console, catalog: Catalog, slug: str) -> None:
+    a = catalog.get(slug)
+    t = Table(title=f"{a.name} ({a.slug})", show_header=False)
+    t.add_column("field")
+    t.add_column("value")
+    for label, value in (
+        ("memory", f"{a.mem_gb:g} GiB"), ("bandwidth", f"{a.mem_bw_gbs:g} GB/s"),
+        ("FP32 / TF32", f"{opt(a.fp32_tflops)} / {opt(a.tf32_tflops)} TFLOPS"),
+        ("BF16 / FP16 / FP8 dense", f"{opt(a.bf16_tflops)} / {opt(a.fp16_tflops)} / {opt(a.fp8_tflops)} TFLOPS"),
+        ("INT8 dense", f"{opt(a.int8_tops)} TOPS"), ("TDP", f"{opt(a.tdp_w)} W"), ("interconnect", a.interconnect),
+        ("NVLink domain / per server", f"{a.nvlink_domain} / {a.max_per_node}"), ("launched", str(a.launch_year)),
+        ("spec source", f"{a.source} (as of {a.as_of}; {a.origin})"),
+    ):
+        t.add_row(label, value)
+    for p in catalog.prices(a.slug):
+        t.add_row(f"cloud: {p.provider}", f"${p.usd_per_gpu_hour:.2f}/GPU-h, {p.kind} — {p.source} (as of {p.as_of})")
+    chosen = catalog.purchase_price(a.slug)
+    for p in (p for p in catalog.purchase if p.slug == a.slug):
+        mark = " [used for on-prem]" if p is chosen else ""
+        t.add_row("purchase", f"{usd(p.usd)} for {p.item} ({usd(p.usd_per_gpu)}/GPU) — {p.source} (as of {p.as_of}){mark}")
+    console.print(t)
+
+
+def render_devices(console: Console, dev: Devices) -> None:
+    c = dev.cpu
+    t = Table(title="This machine", show_header=False)
+    t.add_column("field")
+    t.add_column("value")
+    t.add_row("CPU", f"{c.model} ({c.arch}, {c.vendor})")
+    t.add_row("cores", f"{c.cores} physical usable, {c.logical} logical")
+    t.add_row("ISA", ", ".join(c.isa) or "-")
+    t.add_row("AMX", "yes" if "amx_tile" in c.isa else "no")
+    t.add_row("RAM", gib(c.ram_bytes))
+    t.add_row("FP32 peak", c.derivation)
+    if c.bf16_peak_gflops:
+        t.add_row("BF16 peak", f"{c.bf16_peak_gflops:.0f} GFLOP/s ({c.bf16_rule})")
+    else:
+        t.add_row("BF16 peak", c.bf16_rule)
+    for g in dev.cuda:
+        peak = f", catalog peak {g.peak_bf16_tflops:g} TFLOPS bf16" if g.peak_bf16_tflops else ""
+        t.add_row(f"cuda:{g.index}", f"{g.name}, {gib(g.memory_bytes)}, compute capability {g.compute_capability}, "
+                  f"bf16 {'yes' if g.bf16 else 'no'}, catalog: {g.catalog_slug or 'not in catalog'}{peak}")
+    if not dev.cuda:
+        t.add_row("CUDA", "none" if dev.torch_version else "unknown (torch not installed)")
+    t.add_row("MPS", "yes" if dev.mps else "no")
+    d = dev.train_default()
+    t.add_row("train would use", f"{d['accelerator']} x {d['devices']}, precision {d['precision']} ({d['why']})")
+    console.print(t)
+
+
+def render_plan(console: Console, res: dict, sweep: bool) -> None:
+    m = res["model"]
+    published = f", published {count(m['published_params'])}" if m.get("published_params") else ""
+    task = res["task"]
+    console.print(f"[bold]{m['name']}[/]: {count(m['params'])} parameters{published} · task {task} · "
+                  f"{res['precision']} · batch {res['batch']} x seq {res['seq']}"
+                  + (f" · trainable {count(res['trainable_params'])}" if task in ("lora", "qlora") else ""))
+    if sweep:
+        console.print("[bold]Every accelerator at the fewest GPUs that fit, cheapest first[/]")
+        t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+        for col, right in (("GPU", False), ("GPUs", False), ("GiB/GPU", True), ("fits", False), ("time", True),
+                           ("cloud $", True), ("provider", False), ("on-prem $", True)):
+            # Only the provider may be cut short on a narrow terminal; figures never are.
+            t.add_column(col, no_wrap=col != "provider", overflow="ellipsis", justify="right" if right else "left")
+        for row in res["options"]:
+            comp, on = row["compute"], row["onprem"]
+            cloud = min(row["cost"], key=lambda c: c["usd"]) if row["cost"] else None
+            mark = (" ★" if row["cheapest"] else "") + (" ⚡" if row["fastest"] else "")
+            t.add_row(row["gpu"] + mark, _layout(row), f"{row['memory']['total'] / GiB:.1f}", _fit_cell(row),
+                      hours(comp["wall_hours"]) if comp else "-", usd(cloud["usd"]) if cloud else "-",
+                      cloud["provider"] if cloud else "-", usd(on["usd"]) if on else "-")
+        console.print(t)
+        console.print("★ cheapest that fits, ⚡ fastest that fits. fits: share of memory left free. cloud $: the "
+                      "cheapest provider; on-prem $: purchase amortized + power (assumptions below). time: wall clock at that "
+                      "GPU count (more GPUs shorten it; GPU-hours and cost stay about the same). GPUs: DP data, "
+                      "Z ZeRO stage, TP tensor, PP pipeline parallel. `--json` gives every figure with its source.")
+        if res["fits"]:
+            console.print(f"Recommended: [bold]{res['gpus']} x {res['gpu']}[/]\n")
+    _render_detail(console, res)
+
+
+def _fit_cell(row: dict) -> str:
+    if row["fits"]:
+        return f"[green]✓ {1 - row['memory']['total'] / row['capacity']:.0%}[/]"
+    if row["compute"] is None:
+        return f"[red]✗ no {row['precision']}[/]"
+    return f"[red]✗ has {row['capacity'] / GiB:.0f}[/]"
+
+
+def _layout(row: dict) -> str:
+    lay = row["layout"]
+    parts = [str(row["gpus"])]
+    if lay["dp"] > 1:
+        parts.append(f"DP{lay['dp']}" + (f" Z{lay['zero']}" if lay["zero"] else ""))
+    if lay["tp"] > 1:
+        parts.append(f"TP{lay['tp']}")
+    if lay["pp"] > 1:
+        parts.append(f"PP{lay['pp']}")
+    return " ".join(parts)
+
+
+def _render_detail(console: Console, res: dict) -> None:
+    mem, comp = res["memory"], res["compute"]
+    console.print(f"[bold]{res['gpus']} x {res['gpu_name']}[/] ({res['layout']['text']}): memory per GPU")
+    t = Table(box=box.SIMPLE, pad_edge=False, show_header=False)
+    t.add_column("part")
+    t.add_column("GiB", justify="right")
+    for part in ("weights", "gradients", "optimizer", "activations", "kv_cache", "overhead"):
+        t.add_row(part.replace("_", " "), gib(mem[part]))
+    t.add_row("[bold]total[/]", f"[bold]{gib(mem['total'])}[/]", end_section=True)
+    t.add_row("capacity", gib(res["capacity"]))
+    console.print(t)
+    console.print(("[green]" if res["fits"] else "[red]") + res["why"] + "[/]"
+                  + (f"; largest batch that fits: {res['max_batch']}" if res["max_batch"] else ""))
+    if res["kv_cache_per_token"]:
+        console.print(f"KV cache: {res['kv_cache_per_token'] / 2**10:,.0f} KiB per token ({res['precision']})")
+    if comp:
+        console.print(f"Compute: {comp['flops']:.3g} FLOPs for {count(comp['tokens'])} tokens ({comp['tokens_origin']}); "
+                      f"{comp['peak_tflops']:g} TFLOPS peak x efficiency {comp['efficiency']:g} "
+                      f"({comp['efficiency_origin']})")
+        line = f"Time: {hours(comp['wall_hours'])} wall, {comp['gpu_hours']:,.1f} GPU-hours, {comp['tokens_per_s']:,.0f} tokens/s"
+        if comp.get("decode_step_s"):
+            line += (f"; first token after {comp['prefill_s'] * 1000:,.0f} ms, then {1 / comp['decode_step_s']:,.0f} "
+                     f"tokens/s per sequence ({comp['decode_bound']}-bound)")
+        console.print(line)
+    if res["cost"] or res["onprem"]:
+        console.print("[bold]Cost of the job[/]")
+        t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        for col in ("provider", "$/GPU-h", "total", "source (as of)"):
+            t.add_column(col)
+        for c in res["cost"]:
+            t.add_row(c["provider"], f"{c['usd_per_gpu_hour']:.2f}", usd(c["usd"]), f"{c['source']} ({c['as_of']})")
+        on = res["onprem"]
+        if on:
+            be = on["breakeven_utilization"]
+            t.add_row("on-prem", f"{on['usd_per_gpu_hour']:.2f}", usd(on["usd"]),
+                      f"{on['item']}, {usd(on['purchase_usd_per_gpu'])}/GPU — {on['source']} ({on['as_of']})")
+            console.print(t)
+            console.print("Buying beats the cheapest rental above " + (f"{be:.0%} utilization" if be else "no utilization")
+                          + " over the hardware's life" + ("" if be is None or be <= 1 else " (never: renting wins)"))
+        else:
+            console.print(t)
+    for w in res["warnings"]:
+        console.print(f"[yellow]! {w}[/]")
+    console.print("[dim]Assumptions:[/]")
+    for a in res["assumptions"]:
+        given = a["origin"].startswith("--")
+        console.print(f"[dim]  {a['name']}: " + (f"{a['value']:g} (given)" if given else a["origin"]) + "[/]")
