@@ -36,8 +36,12 @@ LoraTargets = Enum("LoraTargets", {t: t for t in ("all-linear", "attn")}, type=s
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
 CatalogOpt = Annotated[
     Optional[list[Path]],
-    typer.Option("--catalog", help="A CSV of your own accelerators or prices (same columns as `gpuwise hardware "
-                 "--json` rows; see README). Repeatable; also GPUWISE_CATALOG=FILE[:FILE].", metavar="FILE"),
+    typer.Option(
+        "--catalog",
+        help="A CSV of your own accelerators or prices (same columns as `gpuwise hardware "
+        "--json` rows; see README). Repeatable; also GPUWISE_CATALOG=FILE[:FILE].",
+        metavar="FILE",
+    ),
 ]
 
 
@@ -58,14 +62,19 @@ def _version(value: bool):
 
 
 @app.callback()
-def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                                 help="Print the version and exit.")] = False):
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+):
     """Plan (memory, time, cost per accelerator), inspect this machine, and more to come."""
 
 
 @app.command()
 def hardware(
-    slug: Annotated[Optional[str], typer.Argument(help="Show one accelerator with every source, e.g. h100-sxm.")] = None,
+    slug: Annotated[
+        Optional[str], typer.Argument(help="Show one accelerator with every source, e.g. h100-sxm.")
+    ] = None,
     catalog: CatalogOpt = None,
     as_json: JsonOpt = False,
 ):
@@ -77,9 +86,13 @@ def hardware(
     cat = _catalog(catalog)
     if as_json:
         accs = [cat.get(slug)] if slug else list(cat.accelerators.values())
-        _emit({"accelerators": [asdict(a) for a in accs],
-               "cloud_prices": [asdict(p) for p in cat.cloud if any(p.slug == a.slug for a in accs)],
-               "purchase_prices": [asdict(p) for p in cat.purchase if any(p.slug == a.slug for a in accs)]})
+        _emit(
+            {
+                "accelerators": [asdict(a) for a in accs],
+                "cloud_prices": [asdict(p) for p in cat.cloud if any(p.slug == a.slug for a in accs)],
+                "purchase_prices": [asdict(p) for p in cat.purchase if any(p.slug == a.slug for a in accs)],
+            }
+        )
     elif slug:
         render_accelerator(console, cat, slug)
     else:
@@ -105,34 +118,51 @@ def devices(catalog: CatalogOpt = None, as_json: JsonOpt = False):
 
 @app.command(epilog="Presets: " + ", ".join(PRESETS) + ".")
 def plan(
-    model: Annotated[str, typer.Option(help="A preset (listed below), a Hugging Face config.json (or its folder), "
-                                            "or dimensions: layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256.")],
+    model: Annotated[
+        str,
+        typer.Option(
+            help="A preset (listed below), a Hugging Face config.json (or its folder), "
+            "or dimensions: layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256."
+        ),
+    ],
     task: Annotated[Task, typer.Option(help="What to plan for.")] = Task.inference,
     batch: Annotated[int, typer.Option(help="Sequences per step (per micro-batch when training).")] = 1,
     seq: Annotated[int, typer.Option(help="Tokens per sequence (the prompt, for inference).")] = 2048,
     gen: Annotated[Optional[int], typer.Option(help="Inference: tokens generated per sequence [256].")] = None,
-    tokens: Annotated[Optional[float], typer.Option(help="Total tokens: trained on, or generated for inference.")] = None,
+    tokens: Annotated[
+        Optional[float], typer.Option(help="Total tokens: trained on, or generated for inference.")
+    ] = None,
     epochs: Annotated[Optional[float], typer.Option(help="Passes over --dataset-tokens [1].")] = None,
-    dataset_tokens: Annotated[Optional[float], typer.Option(help="Tokens in the training set [fine-tune: 10 M; "
-                                                                 "pre-train: 20 x params].")] = None,
-    precision: Annotated[Precision, typer.Option(help="Weights/compute precision (training: mixed with fp32 "
-                                                      "master weights).")] = Precision.bf16,
+    dataset_tokens: Annotated[
+        Optional[float], typer.Option(help="Tokens in the training set [fine-tune: 10 M; pre-train: 20 x params].")
+    ] = None,
+    precision: Annotated[
+        Precision, typer.Option(help="Weights/compute precision (training: mixed with fp32 master weights).")
+    ] = Precision.bf16,
     optimizer: Annotated[Optional[Optimizer], typer.Option(help="Training optimizer [adamw].")] = None,
     checkpointing: Annotated[Optional[Checkpointing], typer.Option(help="Activation recompute [none].")] = None,
     flash_attention: Annotated[bool, typer.Option(help="A fused attention kernel (no s x s scores kept).")] = True,
     lora_rank: Annotated[Optional[int], typer.Option(help="LoRA/QLoRA rank [16].")] = None,
-    lora_targets: Annotated[Optional[LoraTargets], typer.Option(help="all-linear: q,k,v,o + MLP; attn: q,k,v,o "
-                                                                     "[all-linear].")] = None,
-    gpu: Annotated[Optional[str], typer.Option(help="One accelerator slug (see `gpuwise hardware`); "
-                                                    "default: sweep the catalog.")] = None,
+    lora_targets: Annotated[
+        Optional[LoraTargets], typer.Option(help="all-linear: q,k,v,o + MLP; attn: q,k,v,o [all-linear].")
+    ] = None,
+    gpu: Annotated[
+        Optional[str], typer.Option(help="One accelerator slug (see `gpuwise hardware`); default: sweep the catalog.")
+    ] = None,
     gpus: Annotated[Optional[int], typer.Option(help="GPU count [the fewest that fit].")] = None,
     tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel degree.")] = None,
     pp: Annotated[Optional[int], typer.Option(help="Pipeline-parallel stages.")] = None,
-    zero: Annotated[Optional[int], typer.Option(help="ZeRO stage over data parallel (3 = FSDP) [3 when DP > 1].")] = None,
-    efficiency: Annotated[Optional[float], typer.Option(help="Fraction of dense peak achieved [0.462, PaLM MFU].")] = None,
+    zero: Annotated[
+        Optional[int], typer.Option(help="ZeRO stage over data parallel (3 = FSDP) [3 when DP > 1].")
+    ] = None,
+    efficiency: Annotated[
+        Optional[float], typer.Option(help="Fraction of dense peak achieved [0.462, PaLM MFU].")
+    ] = None,
     provider: Annotated[Optional[str], typer.Option(help="Only this cloud provider's prices.")] = None,
     life_years: Annotated[Optional[float], typer.Option(help="On-prem: years to amortize the purchase [4].")] = None,
-    utilization: Annotated[Optional[float], typer.Option(help="On-prem: share of the life the GPUs are busy [0.6].")] = None,
+    utilization: Annotated[
+        Optional[float], typer.Option(help="On-prem: share of the life the GPUs are busy [0.6].")
+    ] = None,
     kwh_usd: Annotated[Optional[float], typer.Option(help="On-prem: electricity, USD per kWh [0.15].")] = None,
     pue: Annotated[Optional[float], typer.Option(help="On-prem: data-centre PUE [1.4].")] = None,
     catalog: CatalogOpt = None,
@@ -150,11 +180,30 @@ def plan(
         return e.value if isinstance(e, Enum) else e
 
     req = PlanRequest(
-        task=val(task), batch=batch, seq=seq, gen=gen, tokens=tokens, epochs=epochs, dataset_tokens=dataset_tokens,
-        precision=val(precision), optimizer=val(optimizer), checkpointing=val(checkpointing),
-        flash_attention=flash_attention, lora_rank=lora_rank, lora_targets=val(lora_targets), gpu=gpu, gpus=gpus,
-        tp=tp, pp=pp, zero=zero, efficiency=efficiency, provider=provider, life_years=life_years,
-        utilization=utilization, kwh_usd=kwh_usd, pue=pue,
+        task=val(task),
+        batch=batch,
+        seq=seq,
+        gen=gen,
+        tokens=tokens,
+        epochs=epochs,
+        dataset_tokens=dataset_tokens,
+        precision=val(precision),
+        optimizer=val(optimizer),
+        checkpointing=val(checkpointing),
+        flash_attention=flash_attention,
+        lora_rank=lora_rank,
+        lora_targets=val(lora_targets),
+        gpu=gpu,
+        gpus=gpus,
+        tp=tp,
+        pp=pp,
+        zero=zero,
+        efficiency=efficiency,
+        provider=provider,
+        life_years=life_years,
+        utilization=utilization,
+        kwh_usd=kwh_usd,
+        pue=pue,
     )
     result = make_plan(resolve_model(model), req, _catalog(catalog))
     if as_json:

@@ -49,17 +49,40 @@ def opt(x, fmt="{:g}") -> str:
 
 def render_hardware(console: Console, catalog: Catalog) -> None:
     t = Table(title="Accelerator catalog (dense peaks; `gpuwise hardware SLUG` for every source)")
-    for col in ("slug", "name", "memory", "GB/s", "FP32", "BF16", "FP8", "TDP W", "cheapest cloud $/GPU-h", "buy $/GPU"):
+    for col in (
+        "slug",
+        "name",
+        "memory",
+        "GB/s",
+        "FP32",
+        "BF16",
+        "FP8",
+        "TDP W",
+        "cheapest cloud $/GPU-h",
+        "buy $/GPU",
+    ):
         t.add_column(col, justify="left" if col in ("slug", "name") else "right")
     for a in catalog.accelerators.values():
         prices = catalog.prices(a.slug)
         cloud = f"{prices[0].usd_per_gpu_hour:.2f} ({prices[0].provider})" if prices else "-"
         buy = catalog.purchase_price(a.slug)
-        t.add_row(a.slug, a.name, f"{a.mem_gb:g} GiB", f"{a.mem_bw_gbs:g}", opt(a.fp32_tflops), opt(a.bf16_tflops),
-                  opt(a.fp8_tflops), opt(a.tdp_w), cloud, usd(buy.usd_per_gpu) if buy else "-")
+        t.add_row(
+            a.slug,
+            a.name,
+            f"{a.mem_gb:g} GiB",
+            f"{a.mem_bw_gbs:g}",
+            opt(a.fp32_tflops),
+            opt(a.bf16_tflops),
+            opt(a.fp8_tflops),
+            opt(a.tdp_w),
+            cloud,
+            usd(buy.usd_per_gpu) if buy else "-",
+        )
     console.print(t)
-    console.print("TFLOPS are dense (no sparsity). Memory in GiB as vendors count HBM/GDDR. "
-                  "Rows not marked otherwise come from the built-in catalog (shared/reference, compiled 2026-11).")
+    console.print(
+        "TFLOPS are dense (no sparsity). Memory in GiB as vendors count HBM/GDDR. "
+        "Rows not marked otherwise come from the built-in catalog (shared/reference, compiled 2026-11)."
+    )
 
 
 def render_accelerator(console: Console, catalog: Catalog, slug: str) -> None:
@@ -68,11 +91,15 @@ def render_accelerator(console: Console, catalog: Catalog, slug: str) -> None:
     t.add_column("field")
     t.add_column("value")
     for label, value in (
-        ("memory", f"{a.mem_gb:g} GiB"), ("bandwidth", f"{a.mem_bw_gbs:g} GB/s"),
+        ("memory", f"{a.mem_gb:g} GiB"),
+        ("bandwidth", f"{a.mem_bw_gbs:g} GB/s"),
         ("FP32 / TF32", f"{opt(a.fp32_tflops)} / {opt(a.tf32_tflops)} TFLOPS"),
         ("BF16 / FP16 / FP8 dense", f"{opt(a.bf16_tflops)} / {opt(a.fp16_tflops)} / {opt(a.fp8_tflops)} TFLOPS"),
-        ("INT8 dense", f"{opt(a.int8_tops)} TOPS"), ("TDP", f"{opt(a.tdp_w)} W"), ("interconnect", a.interconnect),
-        ("NVLink domain / per server", f"{a.nvlink_domain} / {a.max_per_node}"), ("launched", str(a.launch_year)),
+        ("INT8 dense", f"{opt(a.int8_tops)} TOPS"),
+        ("TDP", f"{opt(a.tdp_w)} W"),
+        ("interconnect", a.interconnect),
+        ("NVLink domain / per server", f"{a.nvlink_domain} / {a.max_per_node}"),
+        ("launched", str(a.launch_year)),
         ("spec source", f"{a.source} (as of {a.as_of}; {a.origin})"),
     ):
         t.add_row(label, value)
@@ -81,7 +108,9 @@ def render_accelerator(console: Console, catalog: Catalog, slug: str) -> None:
     chosen = catalog.purchase_price(a.slug)
     for p in (p for p in catalog.purchase if p.slug == a.slug):
         mark = " [used for on-prem]" if p is chosen else ""
-        t.add_row("purchase", f"{usd(p.usd)} for {p.item} ({usd(p.usd_per_gpu)}/GPU) — {p.source} (as of {p.as_of}){mark}")
+        t.add_row(
+            "purchase", f"{usd(p.usd)} for {p.item} ({usd(p.usd_per_gpu)}/GPU) — {p.source} (as of {p.as_of}){mark}"
+        )
     console.print(t)
 
 
@@ -102,8 +131,11 @@ def render_devices(console: Console, dev: Devices) -> None:
         t.add_row("BF16 peak", c.bf16_rule)
     for g in dev.cuda:
         peak = f", catalog peak {g.peak_bf16_tflops:g} TFLOPS bf16" if g.peak_bf16_tflops else ""
-        t.add_row(f"cuda:{g.index}", f"{g.name}, {gib(g.memory_bytes)}, compute capability {g.compute_capability}, "
-                  f"bf16 {'yes' if g.bf16 else 'no'}, catalog: {g.catalog_slug or 'not in catalog'}{peak}")
+        t.add_row(
+            f"cuda:{g.index}",
+            f"{g.name}, {gib(g.memory_bytes)}, compute capability {g.compute_capability}, "
+            f"bf16 {'yes' if g.bf16 else 'no'}, catalog: {g.catalog_slug or 'not in catalog'}{peak}",
+        )
     if not dev.cuda:
         t.add_row("CUDA", "none" if dev.torch_version else "unknown (torch not installed)")
     t.add_row("MPS", "yes" if dev.mps else "no")
@@ -116,28 +148,47 @@ def render_plan(console: Console, res: dict, sweep: bool) -> None:
     m = res["model"]
     published = f", published {count(m['published_params'])}" if m.get("published_params") else ""
     task = res["task"]
-    console.print(f"[bold]{m['name']}[/]: {count(m['params'])} parameters{published} · task {task} · "
-                  f"{res['precision']} · batch {res['batch']} x seq {res['seq']}"
-                  + (f" · trainable {count(res['trainable_params'])}" if task in ("lora", "qlora") else ""))
+    console.print(
+        f"[bold]{m['name']}[/]: {count(m['params'])} parameters{published} · task {task} · "
+        f"{res['precision']} · batch {res['batch']} x seq {res['seq']}"
+        + (f" · trainable {count(res['trainable_params'])}" if task in ("lora", "qlora") else "")
+    )
     if sweep:
         console.print("[bold]Every accelerator at the fewest GPUs that fit, cheapest first[/]")
         t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
-        for col, right in (("GPU", False), ("GPUs", False), ("GiB/GPU", True), ("fits", False), ("time", True),
-                           ("cloud $", True), ("provider", False), ("on-prem $", True)):
+        for col, right in (
+            ("GPU", False),
+            ("GPUs", False),
+            ("GiB/GPU", True),
+            ("fits", False),
+            ("time", True),
+            ("cloud $", True),
+            ("provider", False),
+            ("on-prem $", True),
+        ):
             # Only the provider may be cut short on a narrow terminal; figures never are.
             t.add_column(col, no_wrap=col != "provider", overflow="ellipsis", justify="right" if right else "left")
         for row in res["options"]:
             comp, on = row["compute"], row["onprem"]
             cloud = min(row["cost"], key=lambda c: c["usd"]) if row["cost"] else None
             mark = (" ★" if row["cheapest"] else "") + (" ⚡" if row["fastest"] else "")
-            t.add_row(row["gpu"] + mark, _layout(row), f"{row['memory']['total'] / GiB:.1f}", _fit_cell(row),
-                      hours(comp["wall_hours"]) if comp else "-", usd(cloud["usd"]) if cloud else "-",
-                      cloud["provider"] if cloud else "-", usd(on["usd"]) if on else "-")
+            t.add_row(
+                row["gpu"] + mark,
+                _layout(row),
+                f"{row['memory']['total'] / GiB:.1f}",
+                _fit_cell(row),
+                hours(comp["wall_hours"]) if comp else "-",
+                usd(cloud["usd"]) if cloud else "-",
+                cloud["provider"] if cloud else "-",
+                usd(on["usd"]) if on else "-",
+            )
         console.print(t)
-        console.print("★ cheapest that fits, ⚡ fastest that fits. fits: share of memory left free. cloud $: the "
-                      "cheapest provider; on-prem $: purchase amortized + power (assumptions below). time: wall clock at that "
-                      "GPU count (more GPUs shorten it; GPU-hours and cost stay about the same). GPUs: DP data, "
-                      "Z ZeRO stage, TP tensor, PP pipeline parallel. `--json` gives every figure with its source.")
+        console.print(
+            "★ cheapest that fits, ⚡ fastest that fits. fits: share of memory left free. cloud $: the "
+            "cheapest provider; on-prem $: purchase amortized + power (assumptions below). time: wall clock at that "
+            "GPU count (more GPUs shorten it; GPU-hours and cost stay about the same). GPUs: DP data, "
+            "Z ZeRO stage, TP tensor, PP pipeline parallel. `--json` gives every figure with its source."
+        )
         if res["fits"]:
             console.print(f"Recommended: [bold]{res['gpus']} x {res['gpu']}[/]\n")
     _render_detail(console, res)
@@ -174,18 +225,29 @@ def _render_detail(console: Console, res: dict) -> None:
     t.add_row("[bold]total[/]", f"[bold]{gib(mem['total'])}[/]", end_section=True)
     t.add_row("capacity", gib(res["capacity"]))
     console.print(t)
-    console.print(("[green]" if res["fits"] else "[red]") + res["why"] + "[/]"
-                  + (f"; largest batch that fits: {res['max_batch']}" if res["max_batch"] else ""))
+    console.print(
+        ("[green]" if res["fits"] else "[red]")
+        + res["why"]
+        + "[/]"
+        + (f"; largest batch that fits: {res['max_batch']}" if res["max_batch"] else "")
+    )
     if res["kv_cache_per_token"]:
         console.print(f"KV cache: {res['kv_cache_per_token'] / 2**10:,.0f} KiB per token ({res['precision']})")
     if comp:
-        console.print(f"Compute: {comp['flops']:.3g} FLOPs for {count(comp['tokens'])} tokens ({comp['tokens_origin']}); "
-                      f"{comp['peak_tflops']:g} TFLOPS peak x efficiency {comp['efficiency']:g} "
-                      f"({comp['efficiency_origin']})")
-        line = f"Time: {hours(comp['wall_hours'])} wall, {comp['gpu_hours']:,.1f} GPU-hours, {comp['tokens_per_s']:,.0f} tokens/s"
+        console.print(
+            f"Compute: {comp['flops']:.3g} FLOPs for {count(comp['tokens'])} tokens ({comp['tokens_origin']}); "
+            f"{comp['peak_tflops']:g} TFLOPS peak x efficiency {comp['efficiency']:g} "
+            f"({comp['efficiency_origin']})"
+        )
+        line = (
+            f"Time: {hours(comp['wall_hours'])} wall, {comp['gpu_hours']:,.1f} GPU-hours, "
+            f"{comp['tokens_per_s']:,.0f} tokens/s"
+        )
         if comp.get("decode_step_s"):
-            line += (f"; first token after {comp['prefill_s'] * 1000:,.0f} ms, then {1 / comp['decode_step_s']:,.0f} "
-                     f"tokens/s per sequence ({comp['decode_bound']}-bound)")
+            line += (
+                f"; first token after {comp['prefill_s'] * 1000:,.0f} ms, then {1 / comp['decode_step_s']:,.0f} "
+                f"tokens/s per sequence ({comp['decode_bound']}-bound)"
+            )
         console.print(line)
     if res["cost"] or res["onprem"]:
         console.print("[bold]Cost of the job[/]")
@@ -197,11 +259,19 @@ def _render_detail(console: Console, res: dict) -> None:
         on = res["onprem"]
         if on:
             be = on["breakeven_utilization"]
-            t.add_row("on-prem", f"{on['usd_per_gpu_hour']:.2f}", usd(on["usd"]),
-                      f"{on['item']}, {usd(on['purchase_usd_per_gpu'])}/GPU — {on['source']} ({on['as_of']})")
+            t.add_row(
+                "on-prem",
+                f"{on['usd_per_gpu_hour']:.2f}",
+                usd(on["usd"]),
+                f"{on['item']}, {usd(on['purchase_usd_per_gpu'])}/GPU — {on['source']} ({on['as_of']})",
+            )
             console.print(t)
-            console.print("Buying beats the cheapest rental above " + (f"{be:.0%} utilization" if be else "no utilization")
-                          + " over the hardware's life" + ("" if be is None or be <= 1 else " (never: renting wins)"))
+            console.print(
+                "Buying beats the cheapest rental above "
+                + (f"{be:.0%} utilization" if be else "no utilization")
+                + " over the hardware's life"
+                + ("" if be is None or be <= 1 else " (never: renting wins)")
+            )
         else:
             console.print(t)
     for w in res["warnings"]:

@@ -43,6 +43,7 @@ class Accelerator:
     source: str
     as_of: str
     origin: str = "built-in"
+    line: int = 0
 
     @property
     def mem_bytes(self) -> int:
@@ -68,6 +69,7 @@ class CloudPrice:
     as_of: str
     source: str
     origin: str = "built-in"
+    line: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class PurchasePrice:
     as_of: str
     source: str
     origin: str = "built-in"
+    line: int = 0
 
     @property
     def usd_per_gpu(self) -> float:
@@ -91,17 +94,31 @@ TABLES: dict[str, tuple[type, dict[str, str]]] = {
     "accelerators": (
         Accelerator,
         {
-            "slug": _STR, "name": _STR, "vendor": _STR, "kind": _STR, "mem_gb": _NUM,
-            "mem_bw_gbs": _NUM, "fp32_tflops": _OPT, "tf32_tflops": _OPT, "bf16_tflops": _OPT,
-            "fp16_tflops": _OPT, "fp8_tflops": _OPT, "int8_tops": _OPT, "tdp_w": _OPT,
-            "interconnect": _OSTR, "nvlink_domain": _INT, "max_per_node": _INT,
-            "launch_year": _INT, "device_names": _OSTR, "source": _STR, "as_of": _STR,
+            "slug": _STR,
+            "name": _STR,
+            "vendor": _STR,
+            "kind": _STR,
+            "mem_gb": _NUM,
+            "mem_bw_gbs": _NUM,
+            "fp32_tflops": _OPT,
+            "tf32_tflops": _OPT,
+            "bf16_tflops": _OPT,
+            "fp16_tflops": _OPT,
+            "fp8_tflops": _OPT,
+            "int8_tops": _OPT,
+            "tdp_w": _OPT,
+            "interconnect": _OSTR,
+            "nvlink_domain": _INT,
+            "max_per_node": _INT,
+            "launch_year": _INT,
+            "device_names": _OSTR,
+            "source": _STR,
+            "as_of": _STR,
         },
     ),
     "cloud_prices": (
         CloudPrice,
-        {"slug": _STR, "provider": _STR, "usd_per_gpu_hour": _NUM, "kind": _OSTR,
-         "as_of": _STR, "source": _STR},
+        {"slug": _STR, "provider": _STR, "usd_per_gpu_hour": _NUM, "kind": _OSTR, "as_of": _STR, "source": _STR},
     ),
     "purchase_prices": (
         PurchasePrice,
@@ -152,10 +169,12 @@ def read_table(path: str | Path, text: str | None = None, origin: str | None = N
             raise GpuwiseError(f"{path}:{line}: more fields than the header has columns")
         values = {c: _convert(path, line, c, k, rec.get(c)) for c, k in columns.items()}
         if not _SLUG.match(values["slug"]):
-            raise GpuwiseError(f"{path}:{line}: field 'slug': '{values['slug']}' must be lower-case letters, digits, '-' or '.'")
+            raise GpuwiseError(
+                f"{path}:{line}: field 'slug': '{values['slug']}' must be lower-case letters, digits, '-' or '.'"
+            )
         if table == "accelerators" and values["kind"] not in _KINDS:
             raise GpuwiseError(f"{path}:{line}: field 'kind': '{values['kind']}' is not one of {sorted(_KINDS)}")
-        rows.append(cls(**values, origin=origin or path))
+        rows.append(cls(**values, origin=origin or path, line=line))
     return table, rows
 
 
@@ -168,7 +187,9 @@ class Catalog:
     def get(self, slug: str) -> Accelerator:
         acc = self.accelerators.get(slug.lower())
         if acc is None:
-            raise GpuwiseError(f"unknown accelerator '{slug}'{closest(slug, self.accelerators)}; see `gpuwise hardware`")
+            raise GpuwiseError(
+                f"unknown accelerator '{slug}'{closest(slug, self.accelerators)}; see `gpuwise hardware`"
+            )
         return acc
 
     def prices(self, slug: str) -> list[CloudPrice]:
@@ -190,8 +211,8 @@ class Catalog:
         for row in rows:
             if row.slug not in self.accelerators:
                 raise GpuwiseError(
-                    f"{row.origin}: price for unknown accelerator '{row.slug}'{closest(row.slug, self.accelerators)}"
-                    " (add it to an accelerators file first)"
+                    f"{row.origin}:{row.line}: field 'slug': price for unknown accelerator '{row.slug}'"
+                    f"{closest(row.slug, self.accelerators)} (add it to an accelerators file first)"
                 )
         if table == "cloud_prices":
             keys = {(r.slug, r.provider.lower()) for r in rows}

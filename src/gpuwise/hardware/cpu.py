@@ -11,8 +11,21 @@ import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni",
-             "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+ISA_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx512_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+)
 
 
 @dataclass
@@ -45,12 +58,17 @@ class CpuInfo:
     def derivation(self) -> str:
         clock = f"{self.clock_ghz:.2f} GHz" if self.clock_ghz else "unknown clock"
         peak = f" = {self.fp32_peak_gflops:.0f} GFLOP/s" if self.fp32_peak_gflops else ""
-        return (f"{self.cores} cores x {self.fp32_flop_per_cycle} FP32 FLOP/cycle ({self.fp32_rule}) x "
-                f"{clock} ({self.clock_origin}){peak}")
+        return (
+            f"{self.cores} cores x {self.fp32_flop_per_cycle} FP32 FLOP/cycle ({self.fp32_rule}) x "
+            f"{clock} ({self.clock_origin}){peak}"
+        )
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"fp32_peak_gflops": self.fp32_peak_gflops, "bf16_peak_gflops": self.bf16_peak_gflops,
-                               "derivation": self.derivation}
+        return asdict(self) | {
+            "fp32_peak_gflops": self.fp32_peak_gflops,
+            "bf16_peak_gflops": self.bf16_peak_gflops,
+            "derivation": self.derivation,
+        }
 
 
 def flop_per_cycle(vendor: str, flags: set[str]) -> tuple[int, str, int | None, str]:

@@ -34,20 +34,33 @@ class Devices:
         return choose_engine(self.cuda, self.mps)
 
     def as_dict(self) -> dict:
-        return {"cpu": self.cpu.as_dict(), "cuda": [asdict(g) for g in self.cuda], "mps": self.mps,
-                "torch": self.torch_version, "train_default": self.train_default()}
+        return {
+            "cpu": self.cpu.as_dict(),
+            "cuda": [asdict(g) for g in self.cuda],
+            "mps": self.mps,
+            "torch": self.torch_version,
+            "train_default": self.train_default(),
+        }
 
 
 def choose_engine(cuda: list[GpuInfo], mps: bool) -> dict:
     """cuda > mps > cpu; bf16-mixed where the GPU has bf16, 16-mixed on older GPUs, 32-true on CPU."""
     if cuda:
         bf16 = all(g.bf16 for g in cuda)
-        return {"accelerator": "cuda", "devices": len(cuda), "precision": "bf16-mixed" if bf16 else "16-mixed",
-                "why": "bf16 supported (compute capability >= 8.0)" if bf16 else "no bf16 before compute capability 8.0"}
+        return {
+            "accelerator": "cuda",
+            "devices": len(cuda),
+            "precision": "bf16-mixed" if bf16 else "16-mixed",
+            "why": "bf16 supported (compute capability >= 8.0)" if bf16 else "no bf16 before compute capability 8.0",
+        }
     if mps:
         return {"accelerator": "mps", "devices": 1, "precision": "16-mixed", "why": "Apple GPU: fp16 autocast"}
-    return {"accelerator": "cpu", "devices": 1, "precision": "32-true",
-            "why": "no GPU: CPU autocast rarely pays for itself in training"}
+    return {
+        "accelerator": "cpu",
+        "devices": 1,
+        "precision": "32-true",
+        "why": "no GPU: CPU autocast rarely pays for itself in training",
+    }
 
 
 def detect(catalog: Catalog) -> Devices:
@@ -61,10 +74,17 @@ def detect(catalog: Catalog) -> Devices:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             acc = match_device(catalog, p.name)
-            gpus.append(GpuInfo(
-                index=i, name=p.name, memory_bytes=p.total_memory, compute_capability=f"{p.major}.{p.minor}",
-                multiprocessors=p.multi_processor_count, bf16=p.major >= 8,
-                catalog_slug=acc.slug if acc else None, peak_bf16_tflops=acc.bf16_tflops if acc else None,
-            ))
+            gpus.append(
+                GpuInfo(
+                    index=i,
+                    name=p.name,
+                    memory_bytes=p.total_memory,
+                    compute_capability=f"{p.major}.{p.minor}",
+                    multiprocessors=p.multi_processor_count,
+                    bf16=p.major >= 8,
+                    catalog_slug=acc.slug if acc else None,
+                    peak_bf16_tflops=acc.bf16_tflops if acc else None,
+                )
+            )
     mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
     return Devices(cpu, gpus, mps, torch.__version__)

@@ -88,9 +88,18 @@ def compute(model: ModelSpec, req: PlanRequest, acc: Accelerator, layout: Layout
     if req.training:
         per_tok, per_tok_hw = training_flops_per_token(model, req)
         seconds = tokens * per_tok_hw / (layout.gpus * peak * eff)
-        return Compute(tokens, tokens_origin, tokens * per_tok, tokens * per_tok_hw, peak_tflops, eff, eff_origin,
-                       gpu_hours=seconds * layout.gpus / 3600, wall_hours=seconds / 3600,
-                       tokens_per_s=tokens / seconds)
+        return Compute(
+            tokens,
+            tokens_origin,
+            tokens * per_tok,
+            tokens * per_tok_hw,
+            peak_tflops,
+            eff,
+            eff_origin,
+            gpu_hours=seconds * layout.gpus / 3600,
+            wall_hours=seconds / 3600,
+            tokens_per_s=tokens / seconds,
+        )
 
     # Inference. Pipeline stages run one after the other for a batch, so only TP adds speed.
     b, s, g = req.batch, req.seq, req.generated if model.causal else 0
@@ -113,7 +122,18 @@ def compute(model: ModelSpec, req: PlanRequest, acc: Accelerator, layout: Layout
         flops = prefill_flops + g * step_flops
     batches = tokens / batch_tokens
     seconds = batches * per_batch / layout.dp  # data-parallel replicas serve batches side by side
-    return Compute(tokens, tokens_origin, batches * flops, batches * flops, peak_tflops, eff, eff_origin,
-                   gpu_hours=seconds * layout.gpus / 3600, wall_hours=seconds / 3600,
-                   tokens_per_s=layout.dp * batch_tokens / per_batch, prefill_s=prefill, decode_step_s=step,
-                   decode_bound=bound)
+    return Compute(
+        tokens,
+        tokens_origin,
+        batches * flops,
+        batches * flops,
+        peak_tflops,
+        eff,
+        eff_origin,
+        gpu_hours=seconds * layout.gpus / 3600,
+        wall_hours=seconds / 3600,
+        tokens_per_s=layout.dp * batch_tokens / per_batch,
+        prefill_s=prefill,
+        decode_step_s=step,
+        decode_bound=bound,
+    )

@@ -22,8 +22,14 @@ def cloud_costs(catalog: Catalog, acc: Accelerator, gpu_hours: float, provider: 
     if provider:
         rows = [p for p in rows if p.provider.lower() == provider.lower()]
     return [
-        {"provider": p.provider, "usd": gpu_hours * p.usd_per_gpu_hour, "usd_per_gpu_hour": p.usd_per_gpu_hour,
-         "kind": p.kind, "as_of": p.as_of, "source": p.source}
+        {
+            "provider": p.provider,
+            "usd": gpu_hours * p.usd_per_gpu_hour,
+            "usd_per_gpu_hour": p.usd_per_gpu_hour,
+            "kind": p.kind,
+            "as_of": p.as_of,
+            "source": p.source,
+        }
         for p in rows
     ]
 
@@ -32,8 +38,9 @@ def _value(given, default) -> float:
     return given if given is not None else default.value
 
 
-def onprem_cost(catalog: Catalog, acc: Accelerator, gpu_hours: float, req: PlanRequest,
-                cheapest_cloud: float | None) -> dict | None:
+def onprem_cost(
+    catalog: Catalog, acc: Accelerator, gpu_hours: float, req: PlanRequest, cheapest_cloud: float | None
+) -> dict | None:
     """Purchase amortized over the life at the stated utilization, plus power at the wall.
 
     Break-even utilization: the share of its life an owned GPU must be busy for its cost per

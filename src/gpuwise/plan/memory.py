@@ -76,7 +76,9 @@ def activation_bytes(model: ModelSpec, req: PlanRequest, layout: Layout) -> floa
     if not req.training:
         # Inference keeps nothing for backward: the working set is one layer at prefill
         # (its widest intermediates) and the logits of the last position.
-        work = p * b * s * (2 * model.hidden + 2 * model.ffn) + (0 if req.flash_attention else p * model.heads * s * s * b)
+        work = p * b * s * (2 * model.hidden + 2 * model.ffn) + (
+            0 if req.flash_attention else p * model.heads * s * s * b
+        )
         return work / layout.tp + (p + 4) * b * model.vocab / layout.tp
     layer = dense + scores
     if req.ckpt == "full":

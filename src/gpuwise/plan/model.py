@@ -113,8 +113,10 @@ def _from_dims(text: str) -> ModelSpec:
         key, _, raw = part.partition("=")
         key = aliases.get(key.strip(), key.strip())
         if key not in known:
-            raise GpuwiseError(f"unknown model dimension '{key}'{closest(key, known)}; "
-                               "use e.g. layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256")
+            raise GpuwiseError(
+                f"unknown model dimension '{key}'{closest(key, known)}; "
+                "use e.g. layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256"
+            )
         raw = raw.strip()
         if known[key] == "bool":
             if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
@@ -165,9 +167,14 @@ def from_hf_config(path: Path) -> ModelSpec:
     if kind in ("llama", "mistral", "qwen2", "gemma", "gemma2"):
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         spec = ModelSpec(
-            name=name, family=kind, layers=need("num_hidden_layers"), hidden=hidden, heads=heads,
+            name=name,
+            family=kind,
+            layers=need("num_hidden_layers"),
+            hidden=hidden,
+            heads=heads,
             kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads, ffn=need("intermediate_size"),
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            ffn=need("intermediate_size"),
             vocab=need("vocab_size"),
             tied=bool(cfg.get("tie_word_embeddings", kind.startswith("gemma"))),
             norms_per_layer=4 if kind == "gemma2" else 2,
@@ -177,24 +184,51 @@ def from_hf_config(path: Path) -> ModelSpec:
     elif kind == "gpt2":
         hidden = need("n_embd")
         spec = ModelSpec(
-            name=name, family=kind, layers=need("n_layer"), hidden=hidden, heads=need("n_head"),
-            kv_heads=need("n_head"), head_dim=hidden // need("n_head"), ffn=cfg.get("n_inner") or 4 * hidden,
-            vocab=need("vocab_size"), tied=True, gated=False, norm_bias=True, linear_bias=True,
-            positions=need("n_positions"), dropout=True, max_seq=need("n_positions"),
+            name=name,
+            family=kind,
+            layers=need("n_layer"),
+            hidden=hidden,
+            heads=need("n_head"),
+            kv_heads=need("n_head"),
+            head_dim=hidden // need("n_head"),
+            ffn=cfg.get("n_inner") or 4 * hidden,
+            vocab=need("vocab_size"),
+            tied=True,
+            gated=False,
+            norm_bias=True,
+            linear_bias=True,
+            positions=need("n_positions"),
+            dropout=True,
+            max_seq=need("n_positions"),
         )
     elif kind == "bert":
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         spec = ModelSpec(
-            name=name, family=kind, layers=need("num_hidden_layers"), hidden=hidden, heads=heads,
-            kv_heads=heads, head_dim=hidden // heads, ffn=need("intermediate_size"), vocab=need("vocab_size"),
-            gated=False, norm_bias=True, linear_bias=True, positions=need("max_position_embeddings"),
-            token_types=cfg.get("type_vocab_size", 2), pooler=True, causal=False, dropout=True,
+            name=name,
+            family=kind,
+            layers=need("num_hidden_layers"),
+            hidden=hidden,
+            heads=heads,
+            kv_heads=heads,
+            head_dim=hidden // heads,
+            ffn=need("intermediate_size"),
+            vocab=need("vocab_size"),
+            gated=False,
+            norm_bias=True,
+            linear_bias=True,
+            positions=need("max_position_embeddings"),
+            token_types=cfg.get("type_vocab_size", 2),
+            pooler=True,
+            causal=False,
+            dropout=True,
             max_seq=need("max_position_embeddings"),
         )
     else:
         supported = "llama, mistral, qwen2, gemma, gemma2, gpt2, bert"
-        raise GpuwiseError(f"{path}: model_type '{kind}' is not supported (supported: {supported}); "
-                           "give explicit dimensions instead (layers=..,hidden=..,heads=..,ffn=..,vocab=..)")
+        raise GpuwiseError(
+            f"{path}: model_type '{kind}' is not supported (supported: {supported}); "
+            "give explicit dimensions instead (layers=..,hidden=..,heads=..,ffn=..,vocab=..)"
+        )
     return _checked(spec)
 
 
@@ -208,5 +242,7 @@ def resolve_model(text: str) -> ModelSpec:
     path = Path(text).expanduser()
     if path.exists() or text.endswith(".json"):
         return from_hf_config(path)
-    raise GpuwiseError(f"unknown model '{text}'{closest(key, PRESETS)}; give a preset "
-                       "(see `gpuwise plan --help`), a config.json path, or dimensions like layers=32,hidden=4096,...")
+    raise GpuwiseError(
+        f"unknown model '{text}'{closest(key, PRESETS)}; give a preset "
+        "(see `gpuwise plan --help`), a config.json path, or dimensions like layers=32,hidden=4096,..."
+    )

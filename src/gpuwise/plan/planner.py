@@ -39,14 +39,18 @@ class Plan:
     def as_dict(self) -> dict:
         m = self.model
         return {
-            "model": {"name": m.name, "family": m.family, "params": m.params,
-                      "published_params": m.published_params},
+            "model": {"name": m.name, "family": m.family, "params": m.params, "published_params": m.published_params},
             "task": self.req.task,
             "gpu": self.acc.slug,
             "gpu_name": self.acc.name,
             "gpus": self.layout.gpus,
-            "layout": {"dp": self.layout.dp, "tp": self.layout.tp, "pp": self.layout.pp,
-                       "zero": self.layout.zero, "text": self.layout.describe()},
+            "layout": {
+                "dp": self.layout.dp,
+                "tp": self.layout.tp,
+                "pp": self.layout.pp,
+                "zero": self.layout.zero,
+                "text": self.layout.describe(),
+            },
             "precision": self.req.precision,
             "batch": self.req.batch,
             "seq": self.req.seq,
@@ -86,22 +90,33 @@ def plan_one(model: ModelSpec, req: PlanRequest, acc: Accelerator, layout: Layou
     comp = compute(model, req, acc, layout, mem)
     cap = acc.mem_bytes
     if comp is None:
-        fits, why = False, f"no dense {req.precision} peak for {acc.name} in the catalog" + (
-            " (no bf16 before Ampere: use --precision fp16)" if req.precision == "bf16" and acc.fp16_tflops else "")
+        fits, why = (
+            False,
+            f"no dense {req.precision} peak for {acc.name} in the catalog"
+            + (" (no bf16 before Ampere: use --precision fp16)" if req.precision == "bf16" and acc.fp16_tflops else ""),
+        )
     elif mem.total <= cap:
         fits, why = True, f"fits: {mem.total / GiB:.1f} of {cap / GiB:.0f} GiB per GPU ({1 - mem.total / cap:.0%} free)"
     else:
-        parts = {"weights": mem.weights, "activations": mem.activations, "optimizer": mem.optimizer,
-                 "KV cache": mem.kv_cache, "gradients": mem.gradients}
+        parts = {
+            "weights": mem.weights,
+            "activations": mem.activations,
+            "optimizer": mem.optimizer,
+            "KV cache": mem.kv_cache,
+            "gradients": mem.gradients,
+        }
         big = max(parts, key=parts.get)
-        fits, why = False, (f"needs {mem.total / GiB:.1f} GiB per GPU, has {cap / GiB:.0f} "
-                            f"({big} {parts[big] / GiB:.1f} GiB)")
+        fits, why = (
+            False,
+            (f"needs {mem.total / GiB:.1f} GiB per GPU, has {cap / GiB:.0f} ({big} {parts[big] / GiB:.1f} GiB)"),
+        )
     gpu_hours = comp.gpu_hours if comp else 0.0
     cost = cloud_costs(catalog, acc, gpu_hours, req.provider) if comp else []
     cheapest = min((c["usd_per_gpu_hour"] for c in cost), default=None)
     onprem = onprem_cost(catalog, acc, gpu_hours, req, cheapest) if comp else None
-    plan = Plan(model, req, acc, layout, mem, fits, why, max_batch(model, req, acc, layout) if comp else 0,
-                comp, cost, onprem)
+    plan = Plan(
+        model, req, acc, layout, mem, fits, why, max_batch(model, req, acc, layout) if comp else 0, comp, cost, onprem
+    )
     plan.warnings = advice.option_warnings(plan)
     return plan
 

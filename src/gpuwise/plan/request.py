@@ -142,9 +142,13 @@ def validate(req: PlanRequest, model: ModelSpec) -> None:
         if req.task == "pretrain" and req.epochs is not None and req.dataset_tokens is None:
             bad("--epochs needs --dataset-tokens for pre-training (or give --tokens)")
     else:
-        for flag, value in (("--optimizer", req.optimizer), ("--checkpointing", req.checkpointing),
-                            ("--epochs", req.epochs), ("--dataset-tokens", req.dataset_tokens),
-                            ("--zero", req.zero)):
+        for flag, value in (
+            ("--optimizer", req.optimizer),
+            ("--checkpointing", req.checkpointing),
+            ("--epochs", req.epochs),
+            ("--dataset-tokens", req.dataset_tokens),
+            ("--zero", req.zero),
+        ):
             if value is not None:
                 bad(f"{flag} applies to training tasks, not to inference")
         if req.gen is not None and req.gen < 0:

@@ -1,0 +1,147 @@
+"""The hardware catalog: complete, sourced, and overridable by the user's own files."""
+
+import pytest
+
+from gpuwise.errors import GpuwiseError
+from gpuwise.hardware.catalog import load_catalog, match_device
+
+SLUGS = [
+    "t4",
+    "l4",
+    "a10",
+    "a10g",
+    "l40s",
+    "a100-40gb",
+    "a100-80gb",
+    "h100-sxm",
+    "h100-pcie",
+    "h100-nvl",
+    "h200",
+    "b200",
+    "rtx-3090",
+    "rtx-4090",
+    "rtx-5090",
+    "rtx-a6000",
+    "mi250x",
+    "mi300x",
+    "tpu-v4",
+    "tpu-v5e",
+    "tpu-v5p",
+]
+
+
+def test_every_required_slug_is_in_the_catalog(catalog):
+    assert set(SLUGS) <= set(catalog.accelerators)
+
+
+def test_every_figure_has_a_source_and_a_date(catalog):
+    for acc in catalog.accelerators.values():
+        assert acc.source and acc.as_of, acc.slug
+    for price in catalog.cloud + catalog.purchase:
+        assert price.source and price.as_of, price
+
+
+def test_catalog_matches_the_reference_rows(catalog):
+    # Spot checks against shared/reference/accelerators.csv and cloud-prices.csv.
+    h100 = catalog.get("h100-sxm")
+    assert (h100.mem_gb, h100.mem_bw_gbs, h100.bf16_tflops, h100.fp8_tflops, h100.tdp_w) == (80, 3350, 989, 1979, 700)
+    assert catalog.get("t4").bf16_tflops is None  # Turing: no bf16
+    assert {p.provider: p.usd_per_gpu_hour for p in catalog.prices("h100-sxm")}["Lambda"] == 3.99
+    assert len(catalog.cloud) == 38 and len(catalog.purchase) == 11
+
+
+def test_purchase_price_prefers_a_whole_server(catalog):
+    p = catalog.purchase_price("h100-sxm")
+    assert p.gpus == 8 and p.as_of == "2024-03"
+
+
+def test_user_file_overrides_a_price_and_adds_a_card(tmp_path):
+    cards = tmp_path / "cards.csv"
+    cards.write_text(
+        "slug,name,vendor,kind,mem_gb,mem_bw_gbs,fp32_tflops,tf32_tflops,bf16_tflops,fp16_tflops,fp8_tflops,"
+        "int8_tops,tdp_w,interconnect,nvlink_domain,max_per_node,launch_year,device_names,source,as_of\n"
+        "my-card,My Card,acme,gpu,96,2000,50,100,400,400,,,500,PCIe,1,4,2026,My Card,our lab,2026-11\n"
+    )
+    prices = tmp_path / "prices.csv"
+    prices.write_text(
+        "slug,provider,usd_per_gpu_hour,kind,as_of,source\n"
+        "h100-sxm,Lambda,1.50,reserved,2026-11,our contract\n"
+        "my-card,OurCloud,0.90,reserved,2026-11,our contract\n"
+    )
+    cat = load_catalog([prices, cards])  # order does not matter: cards load first
+    assert cat.get("my-card").mem_gb == 96
+    lambda_h100 = [p for p in cat.prices("h100-sxm") if p.provider == "Lambda"]
+    assert [p.usd_per_gpu_hour for p in lambda_h100] == [1.50]
+    assert cat.prices("my-card")[0].origin == str(prices)
+
+
+def test_environment_variable_adds_files(tmp_path, monkeypatch):
+    prices = tmp_path / "p.csv"
+    prices.write_text("slug,provider,usd_per_gpu_hour,kind,as_of,source\nt4,Home,0.10,own,2026-11,us\n")
+    monkeypatch.setenv("GPUWISE_CATALOG", str(prices))
+    assert "Home" in {p.provider for p in load_catalog().prices("t4")}
+
+
+@pytest.mark.parametrize(
+    "body,expected",
+    [
+        (
+            "slug,provider,usd_per_gpu_hour,kind,as_of,source\nt4,X,cheap,k,2026,s\n",
+            ":2: field 'usd_per_gpu_hour': 'cheap' is not a number",
+        ),
+        (
+            "slug,provider,usd_per_gpu_hour,kind,as_of,source\nt4,X,1,k,2026,s\nt4,Y,,k,2026,s\n",
+            ":3: field 'usd_per_gpu_hour': is empty",
+        ),
+        (
+            "slug,provider,usd_per_gpu_hour,kind,as_of,source\nh1000,X,1,k,2026,s\n",
+            ":2: field 'slug': price for unknown accelerator 'h1000' (closest: ",
+        ),
+        (
+            "slug,provider,usd_per_gpu_hour,kind,as_of,source\nt4,X,-1,k,2026,s\n",
+            ":2: field 'usd_per_gpu_hour': '-1' must be positive",
+        ),
+        ("name,price\nfoo,1\n", ":1: header matches no catalog table"),
+        (
+            "slug,provider,usd_per_gpu_hour,kind,as_of,source\nt4,X,1,k,2026,s,extra\n",
+            ":2: more fields than the header",
+        ),
+    ],
+)
+def test_malformed_file_names_line_and_field(tmp_path, body, expected):
+    f = tmp_path / "bad.csv"
+    f.write_text(body)
+    with pytest.raises(GpuwiseError, match=None) as err:
+        load_catalog([f])
+    assert expected in str(err.value)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(GpuwiseError, match="cannot read catalog file"):
+        load_catalog([tmp_path / "nope.csv"])
+
+
+@pytest.mark.parametrize(
+    "name,slug",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H100 NVL", "h100-nvl"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+        ("NVIDIA A10G", "a10g"),
+        ("NVIDIA A10", "a10"),
+        ("Tesla T4", "t4"),
+        ("NVIDIA L4", "l4"),
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+        ("NVIDIA RTX A6000", "rtx-a6000"),
+        ("AMD Instinct MI300X", "mi300x"),
+        ("NVIDIA B200", "b200"),
+        ("Some Unknown GPU", None),
+    ],
+)
+def test_torch_device_names_match_catalog_rows(catalog, name, slug):
+    acc = match_device(catalog, name)
+    assert (acc.slug if acc else None) == slug
