@@ -17,8 +17,8 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/gpuwise devices
-	$(BIN)/gpuwise plan --model llama-3.1-8b --task qlora --gpu rtx-4090
-	$(BIN)/gpuwise plan --model llama-3.1-70b --task finetune --checkpointing full
+	$(BIN)/gpuwise plan --model llama-3.1-70b --task inference --gpu h100-sxm --batch 8 --seq 1024 --gen 256
+	$(BIN)/gpuwise plan --model llama-3.1-8b --task qlora
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -46,6 +46,7 @@ def test_catalog_matches_the_reference_rows(catalog):
     h100 = catalog.get("h100-sxm")
     assert (h100.mem_gb, h100.mem_bw_gbs, h100.bf16_tflops, h100.fp8_tflops, h100.tdp_w) == (80, 3350, 989, 1979, 700)
     assert catalog.get("t4").bf16_tflops is None  # Turing: no bf16
+    assert [catalog.get(s).name for s in ("t4", "l4", "a10")] == ["NVIDIA T4", "NVIDIA L4", "NVIDIA A10"]
     assert {p.provider: p.usd_per_gpu_hour for p in catalog.prices("h100-sxm")}["Lambda"] == 3.99
     assert len(catalog.cloud) == 38 and len(catalog.purchase) == 11
 

@@ -90,3 +90,10 @@ def test_sweep_answers_in_a_fraction_of_a_second(catalog):
     t = time.perf_counter()
     plan(catalog, task="pretrain", model="llama-3.1-405b", checkpointing="full")
     assert time.perf_counter() - t < 0.5
+
+
+def test_fastest_mark_skips_tensor_parallel_over_pcie(catalog):
+    res = plan(catalog, task="inference", model="llama-3.1-70b", batch=8, seq=1024)
+    fastest = next(o for o in res["options"] if o["fastest"])
+    acc = catalog.get(fastest["gpu"])
+    assert fastest["layout"]["tp"] <= acc.nvlink_domain

@@ -166,12 +166,15 @@ def plan_accelerator(model: ModelSpec, req: PlanRequest, acc: Accelerator, catal
     return plan
 
 
+def _slow_link(p: Plan) -> bool:
+    return p.layout.tp > p.acc.nvlink_domain
+
+
 def _sort_key(p: Plan):
     """Fitting first; then clean layouts before tensor parallel over PCIe (its time estimate is too
-    optimistic to compete on price); then the cheapest; then the fastest."""
+    optimistic to compete on price or speed); then the cheapest; then the fastest."""
     usd = p.cheapest_usd
-    slow_link = p.layout.tp > p.acc.nvlink_domain
-    return (not p.fits, slow_link, usd is None, usd or 0.0, p.compute.wall_hours if p.compute else 0.0)
+    return (not p.fits, _slow_link(p), usd is None, usd or 0.0, p.compute.wall_hours if p.compute else 0.0)
 
 
 def make_plan(model: ModelSpec, req: PlanRequest, catalog: Catalog) -> dict:
@@ -184,7 +187,7 @@ def make_plan(model: ModelSpec, req: PlanRequest, catalog: Catalog) -> dict:
         accs = [a for a in catalog.accelerators.values() if a.kind != "cpu"]
     options = sorted((plan_accelerator(model, req, a, catalog) for a in accs), key=_sort_key)
     best = options[0]
-    fitting = [o for o in options if o.fits and o.compute]
+    fitting = [o for o in options if o.fits and o.compute and not _slow_link(o)]
     fastest = min(fitting, key=lambda o: o.compute.wall_hours) if fitting else None
     result = best.as_dict()
     result["recommended"] = best.fits
