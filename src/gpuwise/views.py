@@ -43,6 +43,10 @@ def count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def dated(as_of: str) -> str:
+    return "undated" if as_of == "undated" else f"as of {as_of}"
+
+
 def opt(x, fmt="{:g}") -> str:
     return "-" if x is None else fmt.format(x)
 
@@ -100,16 +104,16 @@ def render_accelerator(console: Console, catalog: Catalog, slug: str) -> None:
         ("interconnect", a.interconnect),
         ("NVLink domain / per server", f"{a.nvlink_domain} / {a.max_per_node}"),
         ("launched", str(a.launch_year)),
-        ("spec source", f"{a.source} (as of {a.as_of}; {a.origin})"),
+        ("spec source", f"{a.source} ({dated(a.as_of)}; {a.origin})"),
     ):
         t.add_row(label, value)
     for p in catalog.prices(a.slug):
-        t.add_row(f"cloud: {p.provider}", f"${p.usd_per_gpu_hour:.2f}/GPU-h, {p.kind} — {p.source} (as of {p.as_of})")
+        t.add_row(f"cloud: {p.provider}", f"${p.usd_per_gpu_hour:.2f}/GPU-h, {p.kind} — {p.source} ({dated(p.as_of)})")
     chosen = catalog.purchase_price(a.slug)
     for p in (p for p in catalog.purchase if p.slug == a.slug):
         mark = " [used for on-prem]" if p is chosen else ""
         t.add_row(
-            "purchase", f"{usd(p.usd)} for {p.item} ({usd(p.usd_per_gpu)}/GPU) — {p.source} (as of {p.as_of}){mark}"
+            "purchase", f"{usd(p.usd)} for {p.item} ({usd(p.usd_per_gpu)}/GPU) — {p.source} ({dated(p.as_of)}){mark}"
         )
     console.print(t)
 

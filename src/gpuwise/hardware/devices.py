@@ -59,7 +59,7 @@ def choose_engine(cuda: list[GpuInfo], mps: bool) -> dict:
         "accelerator": "cpu",
         "devices": 1,
         "precision": "32-true",
-        "why": "no GPU: CPU autocast rarely pays for itself in training",
+        "why": "no GPU found: full fp32 on the CPU",
     }
 
 
