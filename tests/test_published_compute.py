@@ -62,3 +62,14 @@ def test_lora_skips_weight_gradients_of_frozen_weights(catalog):
     full = make_plan(m, PlanRequest(task="finetune", **common), catalog)["compute"]["flops"]
     lora = make_plan(m, PlanRequest(task="lora", **common), catalog)["compute"]["flops"]
     assert lora / full == pytest.approx(4 / 6, rel=0.03)  # 4N + 6T vs 6N; attention and 6T make the 3 %
+
+
+def test_inference_reports_prefill_and_decode_flops_separately(catalog):
+    # Forward FLOPs per token are 2*N plus attention (PaLM): prompt and generated tokens counted apart.
+    m = resolve_model("llama-2-7b")
+    comp = make_plan(m, PlanRequest(task="inference", seq=512, gen=128, tokens=128, gpu="h100-sxm"), catalog)["compute"]
+    n = m.params - m.vocab * m.hidden
+    attn = 4 * m.layers * m.heads * m.head_dim
+    assert comp["prefill_flops"] == pytest.approx(512 * (2 * n + attn * 256))
+    assert comp["decode_flops"] == pytest.approx(128 * (2 * n + attn * (512 + 64)))
+    assert comp["flops"] == pytest.approx(comp["prefill_flops"] + comp["decode_flops"])

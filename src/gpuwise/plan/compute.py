@@ -31,6 +31,8 @@ class Compute:
     gpu_hours: float
     wall_hours: float
     tokens_per_s: float
+    prefill_flops: float | None = None  # inference: the job's prompt processing
+    decode_flops: float | None = None  # inference: the job's generated tokens
     prefill_s: float | None = None  # inference: time to first token of a batch
     decode_step_s: float | None = None
     decode_bound: str | None = None  # "memory" or "compute"
@@ -108,7 +110,7 @@ def compute(model: ModelSpec, req: PlanRequest, acc: Accelerator, layout: Layout
     prefill_flops = b * s * (2 * n + attention_flops_per_token(model, s / 2))  # causal: half the context
     prefill = prefill_flops / width
     if g == 0:
-        per_batch, batch_tokens, step, bound, flops = prefill, b * s, None, None, prefill_flops
+        per_batch, batch_tokens, step, bound, step_flops = prefill, b * s, None, None, 0.0
     else:
         ctx = s + g / 2  # the average context over the generated tokens
         step_flops = b * (2 * n + attention_flops_per_token(model, ctx))
@@ -119,20 +121,22 @@ def compute(model: ModelSpec, req: PlanRequest, acc: Accelerator, layout: Layout
         step = max(t_compute, t_memory)
         bound = "memory" if t_memory >= t_compute else "compute"
         per_batch, batch_tokens = prefill + g * step, b * g
-        flops = prefill_flops + g * step_flops
     batches = tokens / batch_tokens
     seconds = batches * per_batch / layout.dp  # data-parallel replicas serve batches side by side
+    flops = batches * (prefill_flops + g * step_flops)
     return Compute(
         tokens,
         tokens_origin,
-        batches * flops,
-        batches * flops,
+        flops,
+        flops,
         peak_tflops,
         eff,
         eff_origin,
         gpu_hours=seconds * layout.gpus / 3600,
         wall_hours=seconds / 3600,
         tokens_per_s=layout.dp * batch_tokens / per_batch,
+        prefill_flops=batches * prefill_flops,
+        decode_flops=batches * g * step_flops,
         prefill_s=prefill,
         decode_step_s=step,
         decode_bound=bound,
