@@ -101,6 +101,9 @@ def test_devices_json(capsys):
         (["plan", "--model", "llama-3.1-8b", "--task", "train"], "'train' is not one of"),
         (["plan", "--model", "llama-3.1-8b", "--catalog", "/nonexistent.csv"], "cannot read catalog file"),
         (["hardware", "h1000"], "unknown accelerator 'h1000'"),
+        (["plan", "--model", "llama-3.1-8b", "--task", "lora", "--tokens", "-5"], "--tokens must be positive"),
+        (["plan", "--model", "llama-3.1-8b", "--pue", "0.5"], "--pue"),
+        (["plan", "--model", "llama-3.1-8b", "--batch", "0"], "at least 1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
@@ -116,6 +119,11 @@ def test_bad_config_json_is_one_line(capsys, tmp_path):
     bad.write_text('{"model_type": "llama",')
     code, _, err = run(capsys, "plan", "--model", str(bad))
     assert code == 2 and "not valid JSON" in err
+    bad.write_bytes(b"\xff\xfe\x00binary")
+    code, _, err = run(capsys, "plan", "--model", str(bad))
+    assert code == 2 and "not a UTF-8 text file" in err
+    code, _, err = run(capsys, "hardware", "--catalog", str(bad))
+    assert code == 2 and "not a UTF-8 text file" in err
     bad.write_text('{"model_type": "mamba"}')
     code, _, err = run(capsys, "plan", "--model", str(bad))
     assert code == 2 and "model_type 'mamba' is not supported" in err

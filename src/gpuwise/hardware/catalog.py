@@ -155,6 +155,8 @@ def read_table(path: str | Path, text: str | None = None, origin: str | None = N
             text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise GpuwiseError(f"cannot read catalog file {path}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise GpuwiseError(f"{path}: not a UTF-8 text file (a CSV is expected)") from None
     reader = csv.DictReader(text.splitlines())
     header = set(reader.fieldnames or [])
     table = next((t for t, (_, cols) in TABLES.items() if set(cols) <= header), None)

@@ -153,6 +153,8 @@ def from_hf_config(path: Path) -> ModelSpec:
         raise GpuwiseError(f"cannot read {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise GpuwiseError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise GpuwiseError(f"{path}: not a UTF-8 text file (a config.json is expected)") from None
     if not isinstance(cfg, dict):
         raise GpuwiseError(f"{path}: a config.json holds one JSON object")
     kind = cfg.get("model_type", "")

@@ -182,6 +182,18 @@ def validate(req: PlanRequest, model: ModelSpec) -> None:
             bad(f"--gpus {req.gpus} is not a multiple of --tp x --pp = {tp * pp}")
     if req.zero is not None and req.zero not in (0, 1, 2, 3):
         bad("--zero must be 0, 1, 2 or 3")
+    for flag, value in (
+        ("--tokens", req.tokens),
+        ("--epochs", req.epochs),
+        ("--dataset-tokens", req.dataset_tokens),
+        ("--life-years", req.life_years),
+        ("--kwh-usd", req.kwh_usd),
+        ("--pue", req.pue),
+    ):
+        if value is not None and not value > 0:
+            bad(f"{flag} must be positive, not {value:g}")
+    if req.pue is not None and req.pue < 1:
+        bad("--pue is total facility power over IT power: 1 or more")
     if req.efficiency is not None and not 0 < req.efficiency <= 1:
         bad("--efficiency is a fraction of peak: 0 < F <= 1")
     if req.utilization is not None and not 0 < req.utilization <= 1:
