@@ -214,6 +214,9 @@ def plan(
         render_plan(console, result, sweep=gpu is None)
 
 
+import gpuwise.cli_train  # noqa: E402,F401  (registers train and predict on the app)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: bad input of any kind is one line on stderr and exit code 2, never a traceback."""
     command = typer.main.get_command(app)
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         command.main(args=argv, prog_name="gpuwise", standalone_mode=False)
     except GpuwiseError as e:
         print(f"gpuwise: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except UsageError as e:
         if not e.format_message():  # a bare `gpuwise`: the help was printed
             return 0

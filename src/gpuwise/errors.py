@@ -1,8 +1,12 @@
-"""The one error type a user sees: the CLI prints its message as one line and exits 2."""
+"""The one error type a user sees: the CLI prints its message as one line and exits (2 by default)."""
 
 
 class GpuwiseError(Exception):
     """Bad input or an impossible request. The message is the whole story for the user."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def closest(word: str, choices, n: int = 3) -> str:

@@ -1,0 +1,161 @@
+"""`gpuwise train` and `gpuwise predict`: thin wrappers over gpuwise.train and the workloads."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from gpuwise.cli import JsonOpt, app, console
+from gpuwise.errors import GpuwiseError
+
+WORKLOAD_HELP = "defects (ELPV solar cells), recommender (MovieLens), product-lm (fine-food reviews)."
+
+
+@app.command(
+    epilog="Examples: gpuwise train defects · gpuwise train product-lm --method lora --max-steps 200 · "
+    "gpuwise train --resume runs/defects-20261130-101500"
+)
+def train(
+    workload: Annotated[Optional[str], typer.Argument(help=WORKLOAD_HELP, show_default=False)] = None,
+    data: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Your own data: an image folder (defects), a CSV/Parquet "
+            "of user,item,timestamp[,rating] (recommender), JSONL/CSV text "
+            "(product-lm). Default: the workload's PyPI data set."
+        ),
+    ] = None,
+    run_dir: Annotated[Optional[Path], typer.Option(help="Where the run is written [runs/WORKLOAD-TIME].")] = None,
+    epochs: Annotated[Optional[float], typer.Option(help="Passes over the training set [per workload].")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(help="Optimizer steps; overrides --epochs.")] = None,
+    batch_size: Annotated[
+        Optional[int],
+        typer.Option(help="Global batch: samples per optimizer step, all processes together [per workload]."),
+    ] = None,
+    micro_batch_size: Annotated[
+        str,
+        typer.Option(
+            help="Samples per forward pass, or auto: the largest that fits; "
+            "gradient accumulation keeps the global batch."
+        ),
+    ] = "auto",
+    lr: Annotated[
+        Optional[float], typer.Option(help="Peak learning rate (warm-up, then cosine) [per workload].")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seeds weights, data order, augmentation.")] = 0,
+    checkpoint_every: Annotated[
+        Optional[int], typer.Option(help="Steps between checkpoints [a tenth of the run].")
+    ] = None,
+    keep_checkpoints: Annotated[int, typer.Option(help="Checkpoints kept.")] = 3,
+    eval_every: Annotated[Optional[int], typer.Option(help="Steps between evaluations [end only].")] = None,
+    devices: Annotated[int, typer.Option(help="Processes (GPUs) per node; launch with torchrun for N > 1.")] = 1,
+    num_nodes: Annotated[int, typer.Option(help="Nodes (torchrun or SLURM sets the rendezvous).")] = 1,
+    accelerator: Annotated[str, typer.Option(help="auto (cuda > mps > cpu), cpu, cuda, mps.")] = "auto",
+    precision: Annotated[
+        str,
+        typer.Option(
+            help="auto (bf16-mixed on bf16 GPUs, 16-mixed on older ones, 32-true on "
+            "CPU), 32-true, bf16-mixed, 16-mixed, bf16-true."
+        ),
+    ] = "auto",
+    strategy: Annotated[str, typer.Option(help="auto (DDP when several processes), ddp, fsdp.")] = "auto",
+    image_size: Annotated[int, typer.Option(help="defects: images are resized to this square.")] = 128,
+    init_from: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="recommender: last week's run directory to start from; new users and items get new embeddings."
+        ),
+    ] = None,
+    base: Annotated[
+        Optional[str],
+        typer.Option(help="defects/product-lm: a local model directory or hub id to start from (from_pretrained)."),
+    ] = None,
+    method: Annotated[str, typer.Option(help="product-lm: full, lora or qlora (4-bit NF4 base).")] = "full",
+    lora_rank: Annotated[int, typer.Option(help="product-lm: LoRA rank.")] = 16,
+    block_size: Annotated[int, typer.Option(help="product-lm: tokens per training sequence.")] = 128,
+    resume: Annotated[
+        Optional[Path], typer.Option(help="Continue the run in this directory from its newest whole checkpoint.")
+    ] = None,
+    as_json: JsonOpt = False,
+):
+    """Train a workload on the best device here: data -> forward -> loss -> update, checkpoints, evaluation."""
+    from gpuwise.train.config import TrainConfig
+    from gpuwise.train.loop import resume as resume_run
+    from gpuwise.train.loop import train as train_run
+    from gpuwise.train.report import render
+
+    progress_console = Console(stderr=True)
+    if resume is not None:
+        if workload is not None:
+            raise GpuwiseError("--resume continues a run with its saved config: give no WORKLOAD with it")
+        summary = resume_run(resume, console=progress_console)
+    else:
+        if workload is None:
+            raise GpuwiseError(f"name a workload: {WORKLOAD_HELP} (or --resume RUN_DIR)")
+        if micro_batch_size != "auto" and not micro_batch_size.isdigit():
+            raise GpuwiseError(f"--micro-batch-size must be a positive integer or auto, not '{micro_batch_size}'")
+        cfg = TrainConfig(
+            workload=workload,
+            data=str(data) if data else None,
+            run_dir=str(run_dir) if run_dir else None,
+            epochs=epochs,
+            max_steps=max_steps,
+            batch_size=batch_size,
+            micro_batch_size=None if micro_batch_size == "auto" else int(micro_batch_size),
+            lr=lr,
+            seed=seed,
+            checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints,
+            eval_every=eval_every,
+            devices=devices,
+            num_nodes=num_nodes,
+            accelerator=accelerator,
+            precision=precision,
+            strategy=strategy,
+            image_size=image_size,
+            init_from=str(init_from) if init_from else None,
+            base=base,
+            method=method,
+            lora_rank=lora_rank,
+            block_size=block_size,
+        )
+        summary = train_run(cfg, console=progress_console)
+    if summary is None:  # not rank 0: the first process reports
+        return
+    if as_json:
+        sys.stdout.write(json.dumps(summary, indent=2, default=str) + "\n")
+    else:
+        render(console, summary)
+
+
+@app.command()
+def predict(
+    run_dir: Annotated[Path, typer.Argument(help="A finished `gpuwise train` run.")],
+    inputs: Annotated[
+        list[str], typer.Argument(help="defects: image files; recommender: user ids; product-lm: prompts.")
+    ],
+    k: Annotated[int, typer.Option(help="recommender: items per user.")] = 10,
+    max_tokens: Annotated[int, typer.Option(help="product-lm: tokens to generate.")] = 40,
+    as_json: JsonOpt = False,
+):
+    """Run a trained model on new inputs."""
+    from gpuwise.train.records import load_config
+
+    cfg = load_config(run_dir)
+    if cfg.workload == "defects":
+        from gpuwise.workloads.defects import predict as run
+    elif cfg.workload == "recommender":
+        from gpuwise.workloads.recommender import predict as run
+    else:
+        from gpuwise.workloads.product_lm import predict as run
+    results = run(run_dir, cfg, inputs, k=k, max_tokens=max_tokens)
+    if as_json:
+        sys.stdout.write(json.dumps(results, indent=2) + "\n")
+        return
+    for r in results:
+        console.print(" · ".join(f"{key}: {value}" for key, value in r.items()))

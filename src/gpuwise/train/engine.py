@@ -1,0 +1,52 @@
+"""Device, precision and strategy: Lightning Fabric does the work; this picks its arguments.
+
+Fabric rather than Accelerate because it leaves the loop in our hands (one explicit file, as in
+nanoGPT) while owning what is hard: device placement, AMP and its scaler, DDP/FSDP wrapping,
+torchrun/SLURM environments, and collective checkpoint save/load.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpuwise.train.config import TrainConfig
+
+
+def resolve_accelerator(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def resolve_precision(requested: str, accelerator: str) -> str:
+    """bf16-mixed where the GPU has bf16, 16-mixed on older GPUs and MPS, 32-true on the CPU."""
+    if requested != "auto":
+        return requested
+    if accelerator == "cuda":
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    if accelerator == "mps":
+        return "16-mixed"
+    return "32-true"
+
+
+def resolve_strategy(requested: str, processes: int) -> str:
+    if requested != "auto":
+        return requested
+    return "ddp" if processes > 1 else "auto"
+
+
+def make_fabric(cfg: TrainConfig):
+    from lightning_fabric import Fabric
+
+    accelerator = resolve_accelerator(cfg.accelerator)
+    precision = resolve_precision(cfg.precision, accelerator)
+    strategy = resolve_strategy(cfg.strategy, cfg.devices * cfg.num_nodes)
+    fabric = Fabric(
+        accelerator=accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, precision=precision, strategy=strategy
+    )
+    fabric.launch()  # under torchrun/SLURM this only joins the process group; alone it may spawn
+    return fabric, accelerator, precision, strategy

@@ -1,0 +1,119 @@
+"""What the loop measures beside training: FLOPs and saved-activation bytes of one step, the
+device's peak, and peak memory (CUDA's allocator, or the process's resident high-water mark)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from gpuwise.plan.request import EFFICIENCY
+
+
+def probe_step(model, loss_fn, batch: dict) -> tuple[float, int]:
+    """FLOPs of one forward+backward (torch's FlopCounterMode) and the bytes autograd saves for
+    backward (saved-tensor hooks). Gradients are cleared afterwards; the caller restores RNG."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    saved = 0
+    seen: set[int] = set()
+
+    def pack(t):
+        nonlocal saved
+        # Parameters and views of one storage are counted once: only new storage costs memory.
+        key = t.untyped_storage().data_ptr()
+        if key not in seen and not isinstance(t, torch.nn.Parameter):
+            seen.add(key)
+            saved += t.untyped_storage().nbytes()
+        return t
+
+    counter = FlopCounterMode(display=False)
+    with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(model, batch).backward()
+    for p in model.parameters():
+        p.grad = None
+    return float(counter.get_total_flops()), saved
+
+
+def state_bytes(model, optimizer_state_per_param: int = 8) -> int:
+    """Weights + gradients + AdamW moments of the trainable parameters (fp32 moments)."""
+    total = 0
+    for p in model.parameters():
+        total += p.numel() * p.element_size()
+        if p.requires_grad:
+            total += p.numel() * (p.element_size() + optimizer_state_per_param)
+    return total
+
+
+def peak_flops(accelerator: str, precision: str, device_index: int = 0) -> tuple[float | None, str]:
+    """Dense peak FLOP/s of one device at the training precision, and where the figure comes from."""
+    low = precision.startswith(("bf16", "16"))
+    if accelerator == "cuda":
+        from gpuwise.hardware.catalog import load_catalog, match_device
+
+        name = torch.cuda.get_device_name(device_index)
+        acc = match_device(load_catalog(), name)
+        if acc is None:
+            return None, f"{name} is not in the catalog"
+        tflops = (acc.bf16_tflops if precision.startswith("bf16") else acc.fp16_tflops) if low else acc.fp32_tflops
+        return (tflops * 1e12 if tflops else None), f"catalog {acc.slug} dense {'16-bit' if low else 'fp32'} peak"
+    if accelerator == "cpu":
+        from gpuwise.hardware.cpu import detect_cpu
+
+        cpu = detect_cpu()
+        gflops = cpu.bf16_peak_gflops if low and cpu.bf16_peak_gflops else cpu.fp32_peak_gflops
+        return (gflops * 1e9 if gflops else None), f"CPU derived peak: {cpu.derivation}"
+    return None, f"no peak known for {accelerator}"
+
+
+def planned_step_time(flops_per_step: float, peak: float | None, processes: int) -> float | None:
+    return flops_per_step / (peak * EFFICIENCY.value * processes) if peak else None
+
+
+class PeakMemory:
+    """CUDA: the caching allocator's peak. CPU: growth of the resident set's high-water mark (Linux
+    VmHWM, reset through /proc/self/clear_refs) plus the weights already resident at the start."""
+
+    def __init__(self, accelerator: str, resident_bytes: int):
+        self.accelerator, self.resident = accelerator, resident_bytes
+        self.method = None
+        if accelerator == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            self.method = "torch.cuda.max_memory_allocated"
+        elif self._reset_hwm():
+            self.base = self._status("VmRSS")
+            self.method = "process resident high-water growth + weights (Linux VmHWM)"
+
+    @staticmethod
+    def _status(key: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+        raise KeyError(key)
+
+    def _reset_hwm(self) -> bool:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self._status("VmHWM")
+            return True
+        except (OSError, KeyError):
+            return False
+
+    def read(self) -> int | None:
+        if self.accelerator == "cuda":
+            return int(torch.cuda.max_memory_allocated())
+        if self.method is None:
+            return None
+        return max(0, self._status("VmHWM") - self.base) + self.resident
+
+
+def process_rss() -> int | None:
+    try:
+        return PeakMemory._status("VmRSS")
+    except (OSError, KeyError):
+        return None
+
+
+def cpu_threads() -> int:
+    return torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") is None else int(os.environ["OMP_NUM_THREADS"])

@@ -1,0 +1,122 @@
+"""The end of a run, as a manager reads it: quality against the baseline and the published figure,
+speed, plan against actual, and what the same run would take and cost on a few catalog GPUs."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.table import Table
+
+from gpuwise.plan.request import EFFICIENCY
+
+PROJECT_ON = ("t4", "l4", "a100-80gb", "h100-sxm")
+GiB = 2**30
+
+
+def projection(summary: dict, slugs=PROJECT_ON) -> list[dict]:
+    """The run's measured FLOPs at each GPU's dense peak x the default efficiency: a projection, not a
+    measurement (small models rarely reach that efficiency: treat it as a lower bound on time)."""
+    from gpuwise.hardware.catalog import load_catalog
+
+    catalog = load_catalog()
+    flops = summary["flops_per_step"] * summary["steps"]
+    low = summary["precision"] != "32-true"
+    out = []
+    for slug in slugs:
+        acc = catalog.get(slug)
+        peak = (acc.bf16_tflops or acc.fp16_tflops) if low else acc.fp32_tflops
+        peak = peak or acc.fp16_tflops
+        seconds = flops / (peak * 1e12 * EFFICIENCY.value)
+        prices = catalog.prices(slug)
+        row = {"gpu": slug, "seconds": seconds, "peak_tflops": peak, "efficiency": EFFICIENCY.value}
+        if prices:
+            row |= {
+                "usd": seconds / 3600 * prices[0].usd_per_gpu_hour,
+                "provider": prices[0].provider,
+                "usd_per_gpu_hour": prices[0].usd_per_gpu_hour,
+                "as_of": prices[0].as_of,
+            }
+        out.append(row)
+    return out
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def render(console, s: dict) -> None:
+    ev, base = s["eval"], s["baseline"]
+    console.print(
+        f"[bold]{s['workload']}[/]: {s['steps']} steps ({s['epochs']:.1f} epochs) on {s['device']}, "
+        f"{s['precision']}, global batch {s['global_batch']} = micro-batch {s['micro_batch']} x "
+        f"{s['accumulation']} accumulation · run dir {s['run_dir']}"
+    )
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    t.add_column("quality (held out)")
+    t.add_column("this run", justify="right")
+    t.add_column(base.get("name", "baseline"), justify="right")
+    also = base.get("also", {})
+    for name in also:
+        t.add_column(name, justify="right")
+    published = s["data"].get("published", {})
+    if published:
+        t.add_column("published", justify="right")
+    for key, value in ev.items():
+        skip = ("n", "threshold", "users", "eval_tokens")
+        if isinstance(value, int | float) and not isinstance(value, bool) and key not in skip:
+            row = [key, _fmt(value, ".4g"), _fmt(base.get(key), ".4g")]
+            row += [_fmt(other.get(key), ".4g") for other in also.values()]
+            if published:
+                row.append(_fmt(published.get(key), ".4g"))
+            t.add_row(*row)
+    console.print(t)
+    if published:
+        console.print(f"[dim]published: {published.get('source')}[/]")
+    for text in ev.get("samples", []):
+        console.print(f"[dim]sample:[/] {text}")
+    tp = s["throughput"]
+    speed = f"{tp['samples_per_s']:,.1f} samples/s" if tp["samples_per_s"] else "-"
+    if tp.get("tokens_per_s"):
+        speed += f", {tp['tokens_per_s']:,.0f} tokens/s"
+    if s["mfu"]:
+        mfu = f"{s['mfu']:.1%} of peak ({s['peak_flops']['origin']})"
+    elif not s["flops_per_step"]:
+        mfu = "MFU n/a: torch's FLOP counter sees no matmuls here (embedding lookups and elementwise math only)"
+    else:
+        mfu = f"MFU n/a: {s['peak_flops']['origin']}"
+    console.print(f"Speed: {speed}; {mfu}")
+    plan, actual = s["plan"], s["actual"]
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="plan vs actual", title_justify="left")
+    for col in ("", "plan", "actual", "error"):
+        t.add_column(col, justify="right" if col else "left")
+    err = s["estimate_error"]
+    pk, ak = plan.get("peak_bytes"), actual.get("peak_bytes")
+    t.add_row(
+        "peak memory",
+        _fmt(pk and pk / GiB, ".2f") + " GiB",
+        _fmt(ak and ak / GiB, ".2f") + " GiB",
+        _fmt(err.get("peak_bytes"), "+.0%"),
+    )
+    t.add_row(
+        "step time",
+        _fmt(plan.get("step_time_s"), ".3f") + " s",
+        _fmt(actual.get("step_time_s"), ".3f") + " s",
+        _fmt(err.get("step_time_s"), "+.0%"),
+    )
+    console.print(t)
+    console.print(f"[dim]plan: {plan.get('method')}; actual memory: {actual.get('method')}[/]")
+    if s.get("projection"):
+        t = Table(
+            box=box.SIMPLE_HEAD, pad_edge=False, title="the same run elsewhere (projection)", title_justify="left"
+        )
+        for col in ("GPU", "time", "cost", "price"):
+            t.add_column(col, justify="left" if col == "GPU" else "right")
+        for p in s["projection"]:
+            price = f"{p['usd_per_gpu_hour']:.2f} $/h {p['provider']} ({p['as_of']})" if "usd" in p else "no price"
+            t.add_row(p["gpu"], f"{p['seconds']:.1f} s", f"${p['usd']:.2g}" if "usd" in p else "-", price)
+        console.print(t)
+        console.print(
+            f"[dim]projection: this run's counted FLOPs / (dense peak x {EFFICIENCY.value}, "
+            f"{EFFICIENCY.origin}); small models rarely reach it, so read times as lower bounds[/]"
+        )
+    for e in s["oom_events"]:
+        console.print(f"[yellow]! out of memory at step {e['step']}: micro-batch {e['from']} -> {e['to']}[/]")

