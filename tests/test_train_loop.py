@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from train_data import image_folder
 
 GPUWISE = [sys.executable, "-m", "gpuwise"]

@@ -35,7 +35,27 @@ def interactions_csv(path: Path, users: int = 40, items: int = 60, per_user: int
 
 def reviews_jsonl(path: Path, n: int = 120) -> Path:
     rng = np.random.default_rng(0)
-    words = "this coffee tea dog food is great good bad tasty fresh my i love it and the was not".split()
+    words = [
+        "this",
+        "coffee",
+        "tea",
+        "dog",
+        "food",
+        "is",
+        "great",
+        "good",
+        "bad",
+        "tasty",
+        "fresh",
+        "my",
+        "i",
+        "love",
+        "it",
+        "and",
+        "the",
+        "was",
+        "not",
+    ]
     lines = [json.dumps({"text": " ".join(rng.choice(words, 30))}) for _ in range(n)]
     path.write_text("\n".join(lines) + "\n")
     return path
