@@ -15,10 +15,10 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
+# The main job: what is here, then the defects workload trained end to end (about 5 minutes on 2 cores).
 demo: $(STAMP)
 	$(BIN)/gpuwise devices
-	$(BIN)/gpuwise plan --model llama-3.1-70b --task inference --gpu h100-sxm --batch 8 --seq 1024 --gen 256
-	$(BIN)/gpuwise plan --model llama-3.1-8b --task qlora
+	$(BIN)/gpuwise train defects
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
@@ -26,6 +26,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_speed.py
+	$(BIN)/python benchmarks/train_overhead.py
+	$(BIN)/python benchmarks/lm_vs_hf.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache

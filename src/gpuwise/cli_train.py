@@ -158,4 +158,12 @@ def predict(
         sys.stdout.write(json.dumps(results, indent=2) + "\n")
         return
     for r in results:
-        console.print(" · ".join(f"{key}: {value}" for key, value in r.items()))
+        if "items" in r:
+            console.print(f"[bold]user {r['user']}[/] ({r['source']}):")
+            for n, it in enumerate(r["items"], 1):
+                score = f"  score {it['score']:.3f}" if it["score"] is not None else ""
+                console.print(f"  {n:>2}. {it['item']}" + (f"  {it['title']}" if it.get("title") else "") + score)
+        elif "probability" in r:
+            console.print(f"{r['input']}: [bold]{r['label']}[/] (p({r['positive_class']}) = {r['probability']:.3f})")
+        else:
+            console.print(f"[bold]{r['prompt']}[/] -> {r['text']}")

@@ -80,12 +80,12 @@ class MatrixFactorization(nn.Module):
 def negatives(indices: np.ndarray, seed: int, epoch: int, n_items: int) -> np.ndarray:
     """A negative item per sample from a hash of (seed, epoch, index) (splitmix64): the same sample
     draws the same negative whatever batch or process it lands in."""
-    x = (
-        indices.astype(np.uint64)
-        + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
-        + np.uint64(epoch) * np.uint64(0xBF58476D1CE4E5B9)
-    )
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore"):  # wrapping uint64 arithmetic is the point of the hash
+        x = (
+            indices.astype(np.uint64)
+            + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
+            + np.uint64(epoch) * np.uint64(0xBF58476D1CE4E5B9)
+        )
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         x ^= x >> np.uint64(31)
@@ -199,7 +199,7 @@ def item_knn(tu, ti, n_users: int, n_items: int, score_users) -> dict:
     """Item-item cosine similarity over the training interactions; a user's score for an item is the
     sum of its similarities to the items the user has."""
     x = torch.zeros(n_users, n_items)
-    x[torch.from_numpy(tu), torch.from_numpy(ti)] = 1.0
+    x[torch.as_tensor(np.array(tu)), torch.as_tensor(np.array(ti))] = 1.0
     norm = x.sum(0).clamp(min=1).sqrt()
     sim = (x.T @ x) / norm[:, None] / norm[None, :]
     sim.fill_diagonal_(0)

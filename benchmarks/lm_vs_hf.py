@@ -1,0 +1,78 @@
+"""product-lm LoRA: our trainer against Hugging Face Trainer + PEFT, same model, data and batch.
+
+Run: .venv/bin/python benchmarks/lm_vs_hf.py [--steps 30] [--batch-size 16] [--block-size 128]
+
+Both train the same small Llama (same seed, so the same initial weights) with the same LoRA config on
+the same packed review blocks, in one process, one after the other; each reports the median time of
+its steady steps (the first is warm-up), converted to tokens/s. Goal (issue #3): ours / HF >= 1.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def hf_trainer(work, steps: int, batch: int, lr: float, out_dir: str) -> float:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    blocks = work.make_batch(list(range(work.train_size)), 0)["input_ids"]
+
+    class Blocks(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(blocks)
+
+        def __getitem__(self, i):
+            return {"input_ids": blocks[i], "labels": blocks[i]}
+
+    times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t)
+
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=batch, max_steps=steps, learning_rate=lr,
+                             lr_scheduler_type="cosine", warmup_steps=max(1, steps // 20), weight_decay=0.01,
+                             max_grad_norm=1.0, logging_steps=10**6, save_strategy="no", report_to=[], use_cpu=True,
+                             dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    Trainer(model=work.model, args=args, train_dataset=Blocks(), callbacks=[StepTimer()]).train()
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=128)
+    args = ap.parse_args()
+
+    from gpuwise.train.config import TrainConfig
+    from gpuwise.train.loop import train
+    from gpuwise.workloads import build
+
+    common = dict(workload="product-lm", method="lora", lora_rank=16, block_size=args.block_size,
+                  batch_size=args.batch_size, micro_batch_size=args.batch_size, max_steps=args.steps, lr=1e-3,
+                  checkpoint_every=10**9)
+    with tempfile.TemporaryDirectory() as d:
+        torch.manual_seed(0)
+        hf = hf_trainer(build(TrainConfig(**common), __import__("pathlib").Path(d) / "hf"), args.steps,
+                        args.batch_size, 1e-3, f"{d}/hf-out")
+        ours = train(TrainConfig(**common, run_dir=f"{d}/ours"))["actual"]["step_time_s"]
+    tokens = args.batch_size * args.block_size
+    print(f"product-lm LoRA r16 (small Llama), batch {args.batch_size} x {args.block_size} tokens, {args.steps} steps, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'trainer':<30}{'step s (median)':>16}{'tokens/s':>12}")
+    print(f"{'HF Trainer + PEFT':<30}{hf:>16.3f}{tokens / hf:>12.0f}")
+    print(f"{'gpuwise train (Fabric)':<30}{ours:>16.3f}{tokens / ours:>12.0f}")
+    print(f"tokens/s ratio ours/HF: {hf / ours:.3f} (goal >= 1.0)")
+
+
+if __name__ == "__main__":
+    main()
