@@ -45,15 +45,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--image-size", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
 
     from gpuwise.train.config import TrainConfig
     from gpuwise.train.loop import train
     from gpuwise.workloads import build
 
-    cfg = dict(workload="defects", image_size=args.image_size, batch_size=args.batch_size, max_steps=args.steps,
-               micro_batch_size=args.batch_size, lr=2e-3, checkpoint_every=10**9)
+    cfg = dict(
+        workload="defects",
+        image_size=args.image_size,
+        batch_size=args.batch_size,
+        max_steps=args.steps,
+        micro_batch_size=args.batch_size,
+        lr=2e-3,
+        checkpoint_every=10**9,
+    )
     raw_times, our_times = [], []
     for _ in range(args.rounds):
         torch.manual_seed(0)
@@ -62,8 +69,10 @@ def main() -> None:
             summary = train(TrainConfig(**cfg, run_dir=f"{d}/run"))
         our_times.append(summary["actual"]["step_time_s"])
     raw, ours = statistics.median(raw_times), statistics.median(our_times)
-    print(f"defects CNN, {args.image_size}x{args.image_size}, batch {args.batch_size}, {args.steps} steps x "
-          f"{args.rounds} rounds, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"defects CNN, {args.image_size}x{args.image_size}, batch {args.batch_size}, {args.steps} steps x "
+        f"{args.rounds} rounds, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print(f"{'loop':<28}{'step s (median)':>16}{'samples/s':>12}")
     print(f"{'raw PyTorch':<28}{raw:>16.4f}{args.batch_size / raw:>12.1f}")
     print(f"{'gpuwise train (Fabric)':<28}{ours:>16.4f}{args.batch_size / ours:>12.1f}")

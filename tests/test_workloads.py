@@ -28,8 +28,20 @@ def cells(tmp_path_factory):
 
 
 def test_defects_metrics_baseline_and_predict(capsys, cells, tmp_path):
-    s = train_json(capsys, "defects", "--data", cells, "--image-size", "32", "--batch-size", "8", "--max-steps", "4",
-                   "--run-dir", tmp_path / "run")
+    s = train_json(
+        capsys,
+        "defects",
+        "--data",
+        cells,
+        "--image-size",
+        "32",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "4",
+        "--run-dir",
+        tmp_path / "run",
+    )
     assert {"accuracy", "f1", "recall", "roc_auc", "confusion"} <= set(s["eval"])
     assert s["baseline"]["name"] == "majority class" and s["data"]["classes"] == ["functional", "defective"]
     assert s["data"]["train"] == 24 and s["data"]["test"] == 8  # stratified 75/25
@@ -43,17 +55,33 @@ def test_defects_transfer_learning_from_a_local_image_model(capsys, cells, tmp_p
     from transformers import ResNetConfig, ResNetForImageClassification
 
     base = tmp_path / "tiny-resnet"
-    ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
-                                              num_labels=2)).save_pretrained(base)
-    s = train_json(capsys, "defects", "--data", cells, "--image-size", "32", "--batch-size", "8", "--max-steps", "2",
-                   "--base", base, "--run-dir", tmp_path / "run")
+    ResNetForImageClassification(
+        ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=2)
+    ).save_pretrained(base)
+    s = train_json(
+        capsys,
+        "defects",
+        "--data",
+        cells,
+        "--image-size",
+        "32",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "2",
+        "--base",
+        base,
+        "--run-dir",
+        tmp_path / "run",
+    )
     assert s["steps"] == 2 and "accuracy" in s["eval"]
 
 
 def test_recommender_beats_nothing_silently_and_recommends(capsys, tmp_path):
     data = interactions_csv(tmp_path / "ratings.csv")
-    s = train_json(capsys, "recommender", "--data", data, "--batch-size", "64", "--max-steps", "20",
-                   "--run-dir", tmp_path / "run")
+    s = train_json(
+        capsys, "recommender", "--data", data, "--batch-size", "64", "--max-steps", "20", "--run-dir", tmp_path / "run"
+    )
     assert {"recall@10", "ndcg@10"} <= set(s["eval"])
     assert s["baseline"]["name"] == "popularity" and "ItemKNN (cosine)" in s["baseline"]["also"]
     assert s["data"]["test_users"] == 40
@@ -66,24 +94,66 @@ def test_recommender_beats_nothing_silently_and_recommends(capsys, tmp_path):
 
 def test_recommender_warm_start_grows_embeddings(capsys, tmp_path):
     week1 = interactions_csv(tmp_path / "week1.csv", users=30)
-    train_json(capsys, "recommender", "--data", week1, "--batch-size", "64", "--max-steps", "5",
-               "--run-dir", tmp_path / "w1")
+    train_json(
+        capsys, "recommender", "--data", week1, "--batch-size", "64", "--max-steps", "5", "--run-dir", tmp_path / "w1"
+    )
     week2 = interactions_csv(tmp_path / "week2.csv", users=40)  # ten new users
-    s = train_json(capsys, "recommender", "--data", week2, "--batch-size", "64", "--max-steps", "5",
-                   "--init-from", tmp_path / "w1", "--run-dir", tmp_path / "w2")
+    s = train_json(
+        capsys,
+        "recommender",
+        "--data",
+        week2,
+        "--batch-size",
+        "64",
+        "--max-steps",
+        "5",
+        "--init-from",
+        tmp_path / "w1",
+        "--run-dir",
+        tmp_path / "w2",
+    )
     assert s["data"]["warm_start"]["users"] == {"kept": 30, "new": 10}
 
 
 def test_product_lm_full_then_lora_on_its_saved_model(capsys, tmp_path):
     data = reviews_jsonl(tmp_path / "reviews.jsonl")
-    full = train_json(capsys, "product-lm", "--data", data, "--block-size", "32", "--batch-size", "4",
-                      "--max-steps", "6", "--run-dir", tmp_path / "full")
+    full = train_json(
+        capsys,
+        "product-lm",
+        "--data",
+        data,
+        "--block-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "6",
+        "--run-dir",
+        tmp_path / "full",
+    )
     assert full["eval"]["perplexity"] < full["baseline"]["perplexity"]  # before vs after
     assert (tmp_path / "full" / "model" / "config.json").exists()
     assert full["throughput"]["tokens_per_s"] > 0 and full["plan"]["peak_bytes"] > 0
-    lora = train_json(capsys, "product-lm", "--data", data, "--block-size", "32", "--batch-size", "4",
-                      "--max-steps", "2", "--method", "lora", "--lora-rank", "4", "--base", tmp_path / "full" / "model",
-                      "--run-dir", tmp_path / "lora")
+    lora = train_json(
+        capsys,
+        "product-lm",
+        "--data",
+        data,
+        "--block-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "2",
+        "--method",
+        "lora",
+        "--lora-rank",
+        "4",
+        "--base",
+        tmp_path / "full" / "model",
+        "--run-dir",
+        tmp_path / "lora",
+    )
     assert 0 < lora["data"]["trainable_share"] < 0.2
     assert (tmp_path / "lora" / "adapter" / "adapter_config.json").exists()
     code, out, err = cli(capsys, "predict", tmp_path / "lora", "this coffee", "--max-tokens", "5", "--json")
@@ -94,8 +164,24 @@ def test_product_lm_full_then_lora_on_its_saved_model(capsys, tmp_path):
 @pytest.mark.slow
 def test_product_lm_qlora_on_cpu(capsys, tmp_path):
     data = reviews_jsonl(tmp_path / "reviews.jsonl")
-    s = train_json(capsys, "product-lm", "--data", data, "--block-size", "32", "--batch-size", "4",
-                   "--max-steps", "2", "--method", "qlora", "--lora-rank", "4", "--run-dir", tmp_path / "q")
+    s = train_json(
+        capsys,
+        "product-lm",
+        "--data",
+        data,
+        "--block-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "2",
+        "--method",
+        "qlora",
+        "--lora-rank",
+        "4",
+        "--run-dir",
+        tmp_path / "q",
+    )
     assert s["data"]["method"] == "qlora" and s["data"]["trainable_share"] < 0.2
     assert (tmp_path / "q" / "adapter" / "adapter_config.json").exists()
 
@@ -133,24 +219,39 @@ def test_missing_column_and_empty_file(capsys, tmp_path):
     assert "broken.jsonl:2: not valid JSON" in one_line_error(capsys, "train", "product-lm", "--data", broken)
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["train", "detects"], "unknown workload 'detects' (closest: defects)"),
-    (["train", "defects", "--batch-sise", "4"], "No such option: --batch-sise"),
-    (["train", "defects", "--precision", "fp8"], "--precision must be one of"),
-    (["train", "defects", "--micro-batch-size", "lots"], "--micro-batch-size must be a positive integer or auto"),
-    (["train", "recommender", "--method", "lora"], "applies to product-lm only"),
-    (["train"], "name a workload"),
-    (["train", "defects", "--data", "/nonexistent"], "no such file or directory"),
-    (["train", "--resume", "/nonexistent"], "no such run directory"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["train", "detects"], "unknown workload 'detects' (closest: defects)"),
+        (["train", "defects", "--batch-sise", "4"], "No such option: --batch-sise"),
+        (["train", "defects", "--precision", "fp8"], "--precision must be one of"),
+        (["train", "defects", "--micro-batch-size", "lots"], "--micro-batch-size must be a positive integer or auto"),
+        (["train", "recommender", "--method", "lora"], "applies to product-lm only"),
+        (["train"], "name a workload"),
+        (["train", "defects", "--data", "/nonexistent"], "no such file or directory"),
+        (["train", "--resume", "/nonexistent"], "no such run directory"),
+    ],
+)
 def test_bad_flags_are_one_line(capsys, argv, needle):
     assert needle in one_line_error(capsys, *argv)
 
 
 def test_existing_run_directory_is_never_overwritten(capsys, cells, tmp_path):
     run = tmp_path / "run"
-    train_json(capsys, "defects", "--data", cells, "--image-size", "32", "--batch-size", "8", "--max-steps", "1",
-               "--run-dir", run)
+    train_json(
+        capsys,
+        "defects",
+        "--data",
+        cells,
+        "--image-size",
+        "32",
+        "--batch-size",
+        "8",
+        "--max-steps",
+        "1",
+        "--run-dir",
+        run,
+    )
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     err = one_line_error(capsys, "train", "defects", "--data", cells, "--run-dir", run)
     assert "already holds a run" in err

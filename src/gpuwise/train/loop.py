@@ -27,6 +27,16 @@ from gpuwise.train.engine import make_fabric
 from gpuwise.train.records import Recorder, load_config, new_run_dir
 
 
+def forward_rng():
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+
+def set_forward_rng(state) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
 def say(fabric, message: str) -> None:
     """One line on stderr from the first process: stdout stays clean for --json."""
     if fabric.is_global_zero:
@@ -194,7 +204,7 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
     try:
         while step < total:
             t0 = time.perf_counter()
-            rng = rng_state()
+            rng = forward_rng()  # torch's generators only: the forward's dropout is all that draws from them
             while True:
                 try:
                     inject.check(step, micro)
@@ -206,7 +216,7 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
                     optimizer.zero_grad(set_to_none=True)
                     if accelerator == "cuda":
                         torch.cuda.empty_cache()
-                    set_rng_state(rng)  # the retried step draws the same dropout masks
+                    set_forward_rng(rng)  # the retried step draws the same dropout masks
                     oom_events.append({"step": step, "from": micro, "to": max(1, micro // 2)})
                     micro = max(1, micro // 2)
                     say(
@@ -221,7 +231,8 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
             if accelerator == "cuda":
                 torch.cuda.synchronize()
             step += 1
-            loss_value = fabric.all_reduce(torch.tensor(loss_value, device=fabric.device), reduce_op="mean").item()
+            if world > 1:
+                loss_value = fabric.all_reduce(torch.tensor(loss_value, device=fabric.device), reduce_op="mean").item()
             times.append(time.perf_counter() - t0)
             rec.log(
                 step,
@@ -235,8 +246,10 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
                 progress[0].update(progress[1], completed=step, loss=loss_value, sps=cfg.batch_size / times[-1])
             if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
                 rec.log(step, **{f"eval/{k}": v for k, v in _scalars(work.evaluate(model, fabric.device)).items()})
-            flag = torch.tensor(float(stop.signal is not None), device=fabric.device)
-            stopping = bool(fabric.all_reduce(flag, reduce_op="sum").item())
+            stopping = stop.signal is not None
+            if world > 1:  # one process's signal stops them all, at the same step
+                flag = torch.tensor(float(stopping), device=fabric.device)
+                stopping = bool(fabric.all_reduce(flag, reduce_op="sum").item())
             if step % ckpt_every == 0 or step == total or stopping:
                 state = {
                     "model": model,
