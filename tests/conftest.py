@@ -12,3 +12,14 @@ def catalog():
 def _no_user_catalog(monkeypatch):
     # A developer's own GPUWISE_CATALOG must not change what the tests see.
     monkeypatch.delenv("GPUWISE_CATALOG", raising=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -10,14 +10,15 @@ from train_data import image_folder, interactions_csv, reviews_jsonl
 from gpuwise.cli import main
 
 
-def cli(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
+def cli(capsys, command: str, *paths) -> tuple[int, str, str]:
+    """`command` is split on spaces and its {} filled with ``paths`` (temp paths hold no spaces)."""
+    code = main(command.format(*paths).split())
     out, err = capsys.readouterr()
     return code, out, err
 
 
-def train_json(capsys, *argv) -> dict:
-    code, out, err = cli(capsys, "train", *argv, "--json")
+def train_json(capsys, command: str, *paths) -> dict:
+    code, out, err = cli(capsys, "train " + command + " --json", *paths)
     assert code == 0, err
     return json.loads(out)
 
@@ -27,25 +28,16 @@ def cells(tmp_path_factory):
     return image_folder(tmp_path_factory.mktemp("cells"), per_class=16)
 
 
+SMALL_DEFECTS = "defects --data {} --image-size 32 --batch-size 8"
+SMALL_LM = "product-lm --data {} --block-size 32 --batch-size 4"
+
+
 def test_defects_metrics_baseline_and_predict(capsys, cells, tmp_path):
-    s = train_json(
-        capsys,
-        "defects",
-        "--data",
-        cells,
-        "--image-size",
-        "32",
-        "--batch-size",
-        "8",
-        "--max-steps",
-        "4",
-        "--run-dir",
-        tmp_path / "run",
-    )
+    s = train_json(capsys, SMALL_DEFECTS + " --max-steps 4 --run-dir {}", cells, tmp_path / "run")
     assert {"accuracy", "f1", "recall", "roc_auc", "confusion"} <= set(s["eval"])
     assert s["baseline"]["name"] == "majority class" and s["data"]["classes"] == ["functional", "defective"]
     assert s["data"]["train"] == 24 and s["data"]["test"] == 8  # stratified 75/25
-    code, out, err = cli(capsys, "predict", tmp_path / "run", cells / "defective" / "000.png", "--json")
+    code, out, err = cli(capsys, "predict {} {} --json", tmp_path / "run", cells / "defective" / "000.png")
     assert code == 0, err
     [row] = json.loads(out)
     assert 0 <= row["probability"] <= 1 and row["label"] in ("functional", "defective")
@@ -55,37 +47,19 @@ def test_defects_transfer_learning_from_a_local_image_model(capsys, cells, tmp_p
     from transformers import ResNetConfig, ResNetForImageClassification
 
     base = tmp_path / "tiny-resnet"
-    ResNetForImageClassification(
-        ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=2)
-    ).save_pretrained(base)
-    s = train_json(
-        capsys,
-        "defects",
-        "--data",
-        cells,
-        "--image-size",
-        "32",
-        "--batch-size",
-        "8",
-        "--max-steps",
-        "2",
-        "--base",
-        base,
-        "--run-dir",
-        tmp_path / "run",
-    )
+    config = ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=2)
+    ResNetForImageClassification(config).save_pretrained(base)
+    s = train_json(capsys, SMALL_DEFECTS + " --max-steps 2 --base {} --run-dir {}", cells, base, tmp_path / "run")
     assert s["steps"] == 2 and "accuracy" in s["eval"]
 
 
-def test_recommender_beats_nothing_silently_and_recommends(capsys, tmp_path):
+def test_recommender_metrics_baselines_and_predict(capsys, tmp_path):
     data = interactions_csv(tmp_path / "ratings.csv")
-    s = train_json(
-        capsys, "recommender", "--data", data, "--batch-size", "64", "--max-steps", "20", "--run-dir", tmp_path / "run"
-    )
+    s = train_json(capsys, "recommender --data {} --batch-size 64 --max-steps 20 --run-dir {}", data, tmp_path / "run")
     assert {"recall@10", "ndcg@10"} <= set(s["eval"])
     assert s["baseline"]["name"] == "popularity" and "ItemKNN (cosine)" in s["baseline"]["also"]
     assert s["data"]["test_users"] == 40
-    code, out, err = cli(capsys, "predict", tmp_path / "run", "u1", "nobody", "--k", "5", "--json")
+    code, out, err = cli(capsys, "predict {} u1 nobody --k 5 --json", tmp_path / "run")
     assert code == 0, err
     known, unknown = json.loads(out)
     assert known["source"] == "model" and len(known["items"]) == 5
@@ -94,166 +68,93 @@ def test_recommender_beats_nothing_silently_and_recommends(capsys, tmp_path):
 
 def test_recommender_warm_start_grows_embeddings(capsys, tmp_path):
     week1 = interactions_csv(tmp_path / "week1.csv", users=30)
-    train_json(
-        capsys, "recommender", "--data", week1, "--batch-size", "64", "--max-steps", "5", "--run-dir", tmp_path / "w1"
-    )
+    train_json(capsys, "recommender --data {} --batch-size 64 --max-steps 5 --run-dir {}", week1, tmp_path / "w1")
     week2 = interactions_csv(tmp_path / "week2.csv", users=40)  # ten new users
-    s = train_json(
-        capsys,
-        "recommender",
-        "--data",
-        week2,
-        "--batch-size",
-        "64",
-        "--max-steps",
-        "5",
-        "--init-from",
-        tmp_path / "w1",
-        "--run-dir",
-        tmp_path / "w2",
-    )
+    s = train_json(capsys, "recommender --data {} --batch-size 64 --max-steps 5 --init-from {} --run-dir {}",
+                   week2, tmp_path / "w1", tmp_path / "w2")
     assert s["data"]["warm_start"]["users"] == {"kept": 30, "new": 10}
 
 
 def test_product_lm_full_then_lora_on_its_saved_model(capsys, tmp_path):
     data = reviews_jsonl(tmp_path / "reviews.jsonl")
-    full = train_json(
-        capsys,
-        "product-lm",
-        "--data",
-        data,
-        "--block-size",
-        "32",
-        "--batch-size",
-        "4",
-        "--max-steps",
-        "6",
-        "--run-dir",
-        tmp_path / "full",
-    )
-    assert full["eval"]["perplexity"] < full["baseline"]["perplexity"]  # before vs after
+    full = train_json(capsys, SMALL_LM + " --max-steps 6 --run-dir {}", data, tmp_path / "full")
+    assert full["eval"]["perplexity"] < full["baseline"]["perplexity"]  # after vs before training
     assert (tmp_path / "full" / "model" / "config.json").exists()
     assert full["throughput"]["tokens_per_s"] > 0 and full["plan"]["peak_bytes"] > 0
-    lora = train_json(
-        capsys,
-        "product-lm",
-        "--data",
-        data,
-        "--block-size",
-        "32",
-        "--batch-size",
-        "4",
-        "--max-steps",
-        "2",
-        "--method",
-        "lora",
-        "--lora-rank",
-        "4",
-        "--base",
-        tmp_path / "full" / "model",
-        "--run-dir",
-        tmp_path / "lora",
-    )
+    lora = train_json(capsys, SMALL_LM + " --max-steps 2 --method lora --lora-rank 4 --base {} --run-dir {}",
+                      data, tmp_path / "full" / "model", tmp_path / "lora")
     assert 0 < lora["data"]["trainable_share"] < 0.2
     assert (tmp_path / "lora" / "adapter" / "adapter_config.json").exists()
-    code, out, err = cli(capsys, "predict", tmp_path / "lora", "this coffee", "--max-tokens", "5", "--json")
+    code, out, err = cli(capsys, "predict {} coffee --max-tokens 5 --json", tmp_path / "lora")
     assert code == 0, err
-    assert json.loads(out)[0]["text"].startswith("this coffee")
+    assert json.loads(out)[0]["text"].startswith("coffee")
 
 
 @pytest.mark.slow
-def test_product_lm_qlora_on_cpu(capsys, tmp_path):
+def test_product_lm_qlora_on_cpu_and_merge(capsys, tmp_path):
+    from transformers import AutoModelForCausalLM
+
     data = reviews_jsonl(tmp_path / "reviews.jsonl")
-    s = train_json(
-        capsys,
-        "product-lm",
-        "--data",
-        data,
-        "--block-size",
-        "32",
-        "--batch-size",
-        "4",
-        "--max-steps",
-        "2",
-        "--method",
-        "qlora",
-        "--lora-rank",
-        "4",
-        "--run-dir",
-        tmp_path / "q",
-    )
+    s = train_json(capsys, SMALL_LM + " --max-steps 2 --method qlora --lora-rank 4 --merge --run-dir {}",
+                   data, tmp_path / "q")
     assert s["data"]["method"] == "qlora" and s["data"]["trainable_share"] < 0.2
     assert (tmp_path / "q" / "adapter" / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "q" / "model")  # loads without peft
+    assert not any("lora" in name for name, _ in merged.named_parameters())
 
 
 # --- bad input: one line, exit != 0, nothing overwritten ----------------------------------------------
 
 
-def one_line_error(capsys, *argv) -> str:
-    code, out, err = cli(capsys, *argv)
+def one_line_error(capsys, command: str, *paths) -> str:
+    code, out, err = cli(capsys, command, *paths)
     assert code != 0
     assert err.strip().count("\n") == 0 and "Traceback" not in err, err
     return err
 
 
-def test_corrupt_image_names_the_file(capsys, cells, tmp_path):
-    bad = tmp_path / "cells"
-    image_folder(bad, per_class=4)
+def test_corrupt_image_names_the_file(capsys, tmp_path):
+    bad = image_folder(tmp_path / "cells", per_class=4)
     (bad / "defective" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
-    err = one_line_error(capsys, "train", "defects", "--data", bad, "--run-dir", tmp_path / "run")
+    err = one_line_error(capsys, "train defects --data {} --run-dir {}", bad, tmp_path / "run")
     assert "broken.png: not a readable image" in err
+    assert not (tmp_path / "run" / "config.yaml").exists()
 
 
-def test_missing_column_and_empty_file(capsys, tmp_path):
+def test_missing_column_and_empty_files(capsys, tmp_path):
     csv = tmp_path / "ratings.csv"
     csv.write_text("user,item,rating\n1,2,3\n")
-    assert "missing column 'timestamp'" in one_line_error(capsys, "train", "recommender", "--data", csv)
+    assert "missing column 'timestamp'" in one_line_error(capsys, "train recommender --data {}", csv)
     empty = tmp_path / "empty.csv"
     empty.write_text("")
-    assert "cannot read as CSV" in one_line_error(capsys, "train", "recommender", "--data", empty)
+    assert "cannot read as CSV" in one_line_error(capsys, "train recommender --data {}", empty)
     empty_jsonl = tmp_path / "empty.jsonl"
     empty_jsonl.write_text("")
-    assert "0 texts" in one_line_error(capsys, "train", "product-lm", "--data", empty_jsonl)
+    assert "0 texts" in one_line_error(capsys, "train product-lm --data {}", empty_jsonl)
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "ok"}\n{"text": \n')
-    assert "broken.jsonl:2: not valid JSON" in one_line_error(capsys, "train", "product-lm", "--data", broken)
+    assert "broken.jsonl:2: not valid JSON" in one_line_error(capsys, "train product-lm --data {}", broken)
 
 
-@pytest.mark.parametrize(
-    "argv,needle",
-    [
-        (["train", "detects"], "unknown workload 'detects' (closest: defects)"),
-        (["train", "defects", "--batch-sise", "4"], "No such option: --batch-sise"),
-        (["train", "defects", "--precision", "fp8"], "--precision must be one of"),
-        (["train", "defects", "--micro-batch-size", "lots"], "--micro-batch-size must be a positive integer or auto"),
-        (["train", "recommender", "--method", "lora"], "applies to product-lm only"),
-        (["train"], "name a workload"),
-        (["train", "defects", "--data", "/nonexistent"], "no such file or directory"),
-        (["train", "--resume", "/nonexistent"], "no such run directory"),
-    ],
-)
-def test_bad_flags_are_one_line(capsys, argv, needle):
-    assert needle in one_line_error(capsys, *argv)
+@pytest.mark.parametrize("command,needle", [
+    ("train detects", "unknown workload 'detects' (closest: defects)"),
+    ("train defects --batch-sise 4", "No such option: --batch-sise"),
+    ("train defects --precision fp8", "--precision must be one of"),
+    ("train defects --micro-batch-size lots", "--micro-batch-size must be a positive integer or auto"),
+    ("train recommender --method lora", "applies to product-lm only"),
+    ("train product-lm --merge", "--merge folds a LoRA/QLoRA adapter"),
+    ("train", "name a workload"),
+    ("train defects --data /nonexistent", "no such file or directory"),
+    ("train --resume /nonexistent", "no such run directory"),
+])
+def test_bad_flags_are_one_line(capsys, command, needle):
+    assert needle in one_line_error(capsys, command)
 
 
 def test_existing_run_directory_is_never_overwritten(capsys, cells, tmp_path):
     run = tmp_path / "run"
-    train_json(
-        capsys,
-        "defects",
-        "--data",
-        cells,
-        "--image-size",
-        "32",
-        "--batch-size",
-        "8",
-        "--max-steps",
-        "1",
-        "--run-dir",
-        run,
-    )
+    train_json(capsys, SMALL_DEFECTS + " --max-steps 1 --run-dir {}", cells, run)
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    err = one_line_error(capsys, "train", "defects", "--data", cells, "--run-dir", run)
-    assert "already holds a run" in err
+    assert "already holds a run" in one_line_error(capsys, "train defects --data {} --run-dir {}", cells, run)
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
-    assert "not a gpuwise run directory" in one_line_error(capsys, "train", "--resume", Path(cells))
+    assert "not a gpuwise run directory" in one_line_error(capsys, "train --resume {}", Path(cells))

@@ -77,6 +77,7 @@ def train(
     ] = None,
     method: Annotated[str, typer.Option(help="product-lm: full, lora or qlora (4-bit NF4 base).")] = "full",
     lora_rank: Annotated[int, typer.Option(help="product-lm: LoRA rank.")] = 16,
+    merge: Annotated[bool, typer.Option("--merge", help="product-lm lora/qlora: also save the merged model.")] = False,
     block_size: Annotated[int, typer.Option(help="product-lm: tokens per training sequence.")] = 128,
     resume: Annotated[
         Optional[Path], typer.Option(help="Continue the run in this directory from its newest whole checkpoint.")
@@ -122,6 +123,7 @@ def train(
             base=base,
             method=method,
             lora_rank=lora_rank,
+            merge=merge,
             block_size=block_size,
         )
         summary = train_run(cfg, console=progress_console)

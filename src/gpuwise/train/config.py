@@ -41,6 +41,7 @@ class TrainConfig:
     base: str | None = None  # a local model directory or hub id; default: a small Llama from a config
     method: str = "full"
     lora_rank: int = 16
+    merge: bool = False  # lora/qlora: also save the base with the adapter merged in, as model/
     block_size: int = 128  # tokens per training sequence
 
     def validate(self) -> None:
@@ -74,6 +75,8 @@ class TrainConfig:
             raise GpuwiseError("--devices, --num-nodes and --keep-checkpoints must be at least 1")
         if self.method != "full" and self.workload != "product-lm":
             raise GpuwiseError("--method lora/qlora applies to product-lm only")
+        if self.merge and self.method == "full":
+            raise GpuwiseError("--merge folds a LoRA/QLoRA adapter into its base: it needs --method lora or qlora")
         if self.init_from and self.workload != "recommender":
             raise GpuwiseError("--init-from (warm start from last week's run) applies to recommender only")
         if self.data and not Path(self.data).exists():

@@ -13,21 +13,26 @@ GiB = 2**30
 
 
 def projection(summary: dict, slugs=PROJECT_ON) -> list[dict]:
-    """The run's measured FLOPs at each GPU's dense peak x the default efficiency: a projection, not a
-    measurement (small models rarely reach that efficiency: treat it as a lower bound on time)."""
+    """The run's counted FLOPs at each GPU's dense peak x the default efficiency, in the precision
+    `gpuwise train` would pick there (bf16, or fp16 before Ampere): a projection, not a measurement;
+    small models rarely reach that efficiency, so treat it as a lower bound on time."""
     from gpuwise.hardware.catalog import load_catalog
 
     catalog = load_catalog()
     flops = summary["flops_per_step"] * summary["steps"]
-    low = summary["precision"] != "32-true"
     out = []
     for slug in slugs:
         acc = catalog.get(slug)
-        peak = (acc.bf16_tflops or acc.fp16_tflops) if low else acc.fp32_tflops
-        peak = peak or acc.fp16_tflops
+        peak = acc.bf16_tflops or acc.fp16_tflops
         seconds = flops / (peak * 1e12 * EFFICIENCY.value)
         prices = catalog.prices(slug)
-        row = {"gpu": slug, "seconds": seconds, "peak_tflops": peak, "efficiency": EFFICIENCY.value}
+        row = {
+            "gpu": slug,
+            "seconds": seconds,
+            "precision": "bf16-mixed" if acc.bf16_tflops else "16-mixed",
+            "peak_tflops": peak,
+            "efficiency": EFFICIENCY.value,
+        }
         if prices:
             row |= {
                 "usd": seconds / 3600 * prices[0].usd_per_gpu_hour,
@@ -108,11 +113,13 @@ def render(console, s: dict) -> None:
         t = Table(
             box=box.SIMPLE_HEAD, pad_edge=False, title="the same run elsewhere (projection)", title_justify="left"
         )
-        for col in ("GPU", "time", "cost", "price"):
-            t.add_column(col, justify="left" if col == "GPU" else "right")
+        for col in ("GPU", "precision", "time", "cost", "price"):
+            t.add_column(col, justify="left" if col in ("GPU", "precision") else "right")
         for p in s["projection"]:
             price = f"{p['usd_per_gpu_hour']:.2f} $/h {p['provider']} ({p['as_of']})" if "usd" in p else "no price"
-            t.add_row(p["gpu"], f"{p['seconds']:.1f} s", f"${p['usd']:.2g}" if "usd" in p else "-", price)
+            t.add_row(
+                p["gpu"], p["precision"], f"{p['seconds']:.1f} s", f"${p['usd']:.2g}" if "usd" in p else "-", price
+            )
         console.print(t)
         console.print(
             f"[dim]projection: this run's counted FLOPs / (dense peak x {EFFICIENCY.value}, "

@@ -168,6 +168,17 @@ def adapt(model, cfg):
     return get_peft_model(model, lora)
 
 
+def merge(adapter_dir: Path, target: Path, tok) -> str:
+    """Fold the adapter into an unquantized copy of its base (QLoRA's NF4 base is reloaded in full
+    precision: merging into 4-bit weights would round the update away)."""
+    from peft import AutoPeftModelForCausalLM
+
+    merged = AutoPeftModelForCausalLM.from_pretrained(str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(str(target))
+    tok.save_pretrained(str(target))
+    return target.name + "/"
+
+
 def spec_of(model):
     """The analytic planner's view of the model, from its config."""
     from gpuwise.plan.model import ModelSpec
@@ -247,6 +258,8 @@ def build(cfg, run_dir: Path) -> Workload:
         target = run_dir / ("model" if cfg.method == "full" else "adapter")
         model.save_pretrained(str(target))
         tok.save_pretrained(str(target))
+        if cfg.merge:
+            return [target.name + "/", merge(target, run_dir / "model", tok)]
         return [target.name + "/"]
 
     info = {
