@@ -158,3 +158,30 @@ def test_existing_run_directory_is_never_overwritten(capsys, cells, tmp_path):
     assert "already holds a run" in one_line_error(capsys, "train defects --data {} --run-dir {}", cells, run)
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     assert "not a gpuwise run directory" in one_line_error(capsys, "train --resume {}", Path(cells))
+
+
+@pytest.mark.slow
+def test_qlora_gradients_survive_an_evaluation(tmp_path):
+    # bitsandbytes repacks 4-bit weights for a backward-less CPU kernel after an eval-mode pass; the
+    # gradients of the first layer's adapters must be the same before and after such a pass.
+    import torch
+
+    from gpuwise.train.config import TrainConfig
+    from gpuwise.workloads import build
+
+    cfg = TrainConfig(workload="product-lm", data=str(reviews_jsonl(tmp_path / "r.jsonl")), block_size=32,
+                      method="qlora", lora_rank=4)
+    work = build(cfg, tmp_path / "run")
+    batch = work.make_batch([0, 1], 0)
+
+    def first_layer_grads():
+        work.model.zero_grad()
+        work.loss(work.model, batch).backward()
+        return {n: p.grad.clone() for n, p in work.model.named_parameters() if "layers.0." in n and p.requires_grad}
+
+    before = first_layer_grads()
+    work.evaluate(work.model, "cpu")
+    after = first_layer_grads()
+    assert before and all(before[n].abs().sum() > 0 for n in before if "lora_B" in n)
+    for n in before:
+        torch.testing.assert_close(after[n], before[n])

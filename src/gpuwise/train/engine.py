@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from gpuwise.errors import GpuwiseError
 from gpuwise.train.config import TrainConfig
 
 
@@ -45,8 +46,17 @@ def make_fabric(cfg: TrainConfig):
     accelerator = resolve_accelerator(cfg.accelerator)
     precision = resolve_precision(cfg.precision, accelerator)
     strategy = resolve_strategy(cfg.strategy, cfg.devices * cfg.num_nodes)
-    fabric = Fabric(
-        accelerator=accelerator, devices=cfg.devices, num_nodes=cfg.num_nodes, precision=precision, strategy=strategy
-    )
+    try:
+        fabric = Fabric(
+            accelerator=accelerator,
+            devices=cfg.devices,
+            num_nodes=cfg.num_nodes,
+            precision=precision,
+            strategy=strategy,
+        )
+    except (ValueError, RuntimeError) as e:  # Fabric's refusals: FSDP on a CPU, more devices than exist, ...
+        raise GpuwiseError(
+            f"{accelerator} x {cfg.devices}, {precision}, {strategy}: {str(e).splitlines()[0]}"
+        ) from None
     fabric.launch()  # under torchrun/SLURM this only joins the process group; alone it may spawn
     return fabric, accelerator, precision, strategy

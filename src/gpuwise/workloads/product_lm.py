@@ -151,6 +151,19 @@ def load_tokenizer(cfg, texts):
     return tok
 
 
+def keep_4bit_trainable(model) -> None:
+    """bitsandbytes repacks a Linear4bit's weights for its CPU inference kernel the first time it runs in
+    eval mode without gradients (our perplexity-before evaluation), and from then on calls that kernel,
+    which has no backward: gradients stop flowing through the frozen base to the earlier adapters.
+    Turning the repacking off keeps the differentiable dequantize-and-matmul path (a regression test
+    compares gradients before and after an evaluation)."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
 def adapt(model, cfg):
     if cfg.method == "full":
         return model
@@ -158,6 +171,7 @@ def adapt(model, cfg):
 
     if cfg.method == "qlora":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        keep_4bit_trainable(model)
     lora = LoraConfig(
         r=cfg.lora_rank,
         lora_alpha=2 * cfg.lora_rank,
