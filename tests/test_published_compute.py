@@ -73,3 +73,20 @@ def test_inference_reports_prefill_and_decode_flops_separately(catalog):
     assert comp["prefill_flops"] == pytest.approx(512 * (2 * n + attn * 256))
     assert comp["decode_flops"] == pytest.approx(128 * (2 * n + attn * (512 + 64)))
     assert comp["flops"] == pytest.approx(comp["prefill_flops"] + comp["decode_flops"])
+
+
+def test_resnet50_training_flops_behind_the_gpu_projection():
+    # The projection of a CNN run uses Lambda's ResNet-50 images/s x the FLOPs of one training image;
+    # recount them: transformers' ResNetConfig() is ResNet-50 (25.6 M parameters). Tolerance 0.1 %.
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    from gpuwise.train.report import RESNET50_TRAIN_FLOPS
+
+    model = ResNetForImageClassification(ResNetConfig(num_labels=1000))
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(25.56e6, rel=1e-3)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(pixel_values=torch.randn(1, 3, 224, 224)).logits.sum().backward()
+    assert counter.get_total_flops() == pytest.approx(RESNET50_TRAIN_FLOPS, rel=1e-3)

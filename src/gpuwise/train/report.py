@@ -12,27 +12,51 @@ PROJECT_ON = ("t4", "l4", "a100-80gb", "h100-sxm")
 GiB = 2**30
 
 
-def projection(summary: dict, slugs=PROJECT_ON) -> list[dict]:
-    """The run's counted FLOPs at each GPU's dense peak x the default efficiency, in the precision
-    `gpuwise train` would pick there (bf16, or fp16 before Ampere): a projection, not a measurement;
-    small models rarely reach that efficiency, so treat it as a lower bound on time."""
+# Convolution nets reach a far smaller share of a GPU's peak than large transformers. Lambda's measured
+# ResNet-50 training rates (images/s, FP32 / AMP; shared/reference/published.md) times the FLOPs of one
+# ResNet-50 training image give what a GPU really sustains on a CNN.
+RESNET50_TRAIN_FLOPS = 24.30e9  # one 224x224 image, forward + backward: torch's FlopCounterMode (a test recounts)
+LAMBDA_RESNET50 = {
+    "a10": (349, 638),
+    "rtx-3090": (513, 905),
+    "rtx-4090": (721, 1301),
+    "a100-80gb": (1066, 1582),
+    "h100-pcie": (1197, 1866),
+    "h100-sxm": (1753, 2616),
+}
+LAMBDA_SOURCE = "Lambda deep-learning benchmark, ResNet-50 training, AMP images/s"
+CONV_GPUS = ("a10", "rtx-4090", "a100-80gb", "h100-sxm")
+
+
+def projection(summary: dict) -> list[dict]:
+    """The run's counted FLOPs at the rate each GPU sustains, in the precision `gpuwise train` would
+    pick there: for a CNN the rate Lambda measured on ResNet-50; for the rest the dense peak x the
+    default efficiency. A projection, not a measurement; none when torch counts no FLOPs (embeddings)."""
     from gpuwise.hardware.catalog import load_catalog
 
-    catalog = load_catalog()
     flops = summary["flops_per_step"] * summary["steps"]
+    if not flops:
+        return []
+    catalog = load_catalog()
+    conv = summary["workload"] == "defects"
     out = []
-    for slug in slugs:
+    for slug in CONV_GPUS if conv else PROJECT_ON:
         acc = catalog.get(slug)
-        peak = acc.bf16_tflops or acc.fp16_tflops
-        seconds = flops / (peak * 1e12 * EFFICIENCY.value)
-        prices = catalog.prices(slug)
+        if conv:
+            rate = LAMBDA_RESNET50[slug][1] * RESNET50_TRAIN_FLOPS
+            basis = f"{LAMBDA_SOURCE}: {LAMBDA_RESNET50[slug][1]} img/s x {RESNET50_TRAIN_FLOPS / 1e9:.1f} GFLOP"
+        else:
+            rate = (acc.bf16_tflops or acc.fp16_tflops) * 1e12 * EFFICIENCY.value
+            basis = f"dense peak x {EFFICIENCY.value} ({EFFICIENCY.origin})"
+        seconds = flops / rate
         row = {
             "gpu": slug,
             "seconds": seconds,
             "precision": "bf16-mixed" if acc.bf16_tflops else "16-mixed",
-            "peak_tflops": peak,
-            "efficiency": EFFICIENCY.value,
+            "sustained_tflops": rate / 1e12,
+            "basis": basis,
         }
+        prices = catalog.prices(slug)
         if prices:
             row |= {
                 "usd": seconds / 3600 * prices[0].usd_per_gpu_hour,
@@ -113,17 +137,19 @@ def render(console, s: dict) -> None:
         t = Table(
             box=box.SIMPLE_HEAD, pad_edge=False, title="the same run elsewhere (projection)", title_justify="left"
         )
-        for col in ("GPU", "precision", "time", "cost", "price"):
+        for col in ("GPU", "precision", "sustained", "time", "cost", "price"):
             t.add_column(col, justify="left" if col in ("GPU", "precision") else "right")
         for p in s["projection"]:
             price = f"{p['usd_per_gpu_hour']:.2f} $/h {p['provider']} ({p['as_of']})" if "usd" in p else "no price"
+            cost = f"${p['usd']:.2g}" if "usd" in p else "-"
             t.add_row(
-                p["gpu"], p["precision"], f"{p['seconds']:.1f} s", f"${p['usd']:.2g}" if "usd" in p else "-", price
+                p["gpu"], p["precision"], f"{p['sustained_tflops']:.1f} TFLOPS", f"{p['seconds']:.1f} s", cost, price
             )
         console.print(t)
+        basis = s["projection"][0]["basis"].split(":")[0]
         console.print(
-            f"[dim]projection: this run's counted FLOPs / (dense peak x {EFFICIENCY.value}, "
-            f"{EFFICIENCY.origin}); small models rarely reach it, so read times as lower bounds[/]"
+            f"[dim]projection: this run's counted FLOPs / the rate each GPU sustains ({basis}); "
+            "start-up and data loading not included[/]"
         )
     for e in s["oom_events"]:
         console.print(f"[yellow]! out of memory at step {e['step']}: micro-batch {e['from']} -> {e['to']}[/]")
