@@ -135,7 +135,7 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
     model, optimizer = fabric.setup(model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total))
 
-    def micro_losses(step: int, micro: int, backward: bool = True) -> float:
+    def micro_losses(step: int, micro: int) -> float:
         """Forward and backward of this process's slice of the step, micro-batch by micro-batch."""
         samples, epoch = step_samples(step, cfg.batch_size, work.train_size, cfg.seed)
         mine = samples[fabric.global_rank * share : (fabric.global_rank + 1) * share]
@@ -145,8 +145,7 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
             batch = fabric.to_device(work.make_batch(chunk, epoch))
             with fabric.no_backward_sync(model, enabled=i < len(chunks) - 1):
                 loss = work.loss(model, batch) * (len(chunk) / len(mine))
-                if backward:
-                    fabric.backward(loss)
+                fabric.backward(loss)
             total_loss += loss.item()
         return total_loss
 
@@ -190,7 +189,7 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
         "time = FLOPs / (peak x default efficiency)",
     }
     if work.model_spec is not None:
-        plan |= analytic_plan(work, cfg, micro, precision, flops_per_step, peak, world)
+        plan |= analytic_plan(work, cfg, micro, precision)
 
     # --- train ----------------------------------------------------------------------------
     inject, stop = fit.OOMInjector(), StopFlag()
@@ -327,7 +326,7 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
     return summary if fabric.is_global_zero else None
 
 
-def analytic_plan(work, cfg, micro, precision, flops_per_step, peak, world) -> dict:
+def analytic_plan(work, cfg, micro: int, precision: str) -> dict:
     """For transformer workloads: the same figures from `gpuwise plan`'s analytic model."""
     from gpuwise.plan.memory import memory
     from gpuwise.plan.request import Layout, PlanRequest

@@ -3,7 +3,6 @@ device's peak, and peak memory (CUDA's allocator, or the process's resident high
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -106,14 +105,3 @@ class PeakMemory:
         if self.method is None:
             return None
         return max(0, self._status("VmHWM") - self.base) + self.resident
-
-
-def process_rss() -> int | None:
-    try:
-        return PeakMemory._status("VmRSS")
-    except (OSError, KeyError):
-        return None
-
-
-def cpu_threads() -> int:
-    return torch.get_num_threads() if os.environ.get("OMP_NUM_THREADS") is None else int(os.environ["OMP_NUM_THREADS"])

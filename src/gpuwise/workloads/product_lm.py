@@ -297,7 +297,7 @@ def build(cfg, run_dir: Path) -> Workload:
         loss,
         evaluate,
         save,
-        defaults={"epochs": 3, "batch_size": 16, "lr": 3e-3 if cfg.method == "full" else 1e-3},
+        defaults={"epochs": 1, "batch_size": 16, "lr": 3e-3 if cfg.method == "full" else 1e-3},
         baseline={},
         tokens_per_sample=cfg.block_size,
         model_spec=spec,
