@@ -158,6 +158,8 @@ def test_existing_run_directory_is_never_overwritten(capsys, cells, tmp_path):
     assert "already holds a run" in one_line_error(capsys, "train defects --data {} --run-dir {}", cells, run)
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     assert "not a gpuwise run directory" in one_line_error(capsys, "train --resume {}", Path(cells))
+    (run / "summary.json").unlink()
+    assert "has not finished training" in one_line_error(capsys, "predict {} x.png", run)
 
 
 @pytest.mark.slow

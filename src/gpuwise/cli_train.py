@@ -149,6 +149,10 @@ def predict(
     from gpuwise.train.records import load_config
 
     cfg = load_config(run_dir)
+    if not (run_dir / "summary.json").exists():
+        raise GpuwiseError(
+            f"{run_dir} has not finished training (no summary.json): `gpuwise train --resume {run_dir}` completes it"
+        )
     if cfg.workload == "defects":
         from gpuwise.workloads.defects import predict as run
     elif cfg.workload == "recommender":
