@@ -214,6 +214,7 @@ def plan(
         render_plan(console, result, sweep=gpu is None)
 
 
+import gpuwise.cli_bench  # noqa: E402,F401  (registers bench on the app)
 import gpuwise.cli_train  # noqa: E402,F401  (registers train and predict on the app)
 
 

@@ -1,0 +1,87 @@
+"""`gpuwise bench`: a thin wrapper over gpuwise.bench, with its tables."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from gpuwise.cli import CatalogOpt, JsonOpt, _catalog, app, console
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def render(con: Console, result: dict) -> None:
+    for dev, r in result["devices"].items():
+        con.print(f"[bold]{dev}[/]: {r['peak']['name']} — peak: {r['peak']['origin']}")
+        t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        for col in ("test", "achieved", "of peak"):
+            t.add_column(col, justify="left" if col == "test" else "right")
+        for name, m in r["matmul"].items():
+            t.add_row(
+                f"matmul {name} {m['n']}x{m['n']}", f"{m['tflops'] * 1e3:,.1f} GFLOP/s", _pct(m["fraction_of_peak"])
+            )
+        bw = r["bandwidth"]
+        t.add_row("bandwidth copy", f"{bw['copy_gbs']:,.1f} GB/s", "")
+        t.add_row("bandwidth triad", f"{bw['triad_gbs']:,.1f} GB/s", _pct(bw["fraction_of_peak"]))
+        if "host_device" in r:
+            hd = r["host_device"]
+            t.add_row("host -> device", f"{hd['h2d_gbs']:,.1f} GB/s", _pct(hd["fraction_of_peak"]))
+            t.add_row("device -> host", f"{hd['d2h_gbs']:,.1f} GB/s", "")
+        for name, w in r["workloads"].items():
+            extra = f", {w['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in w else ""
+            t.add_row(
+                f"{name} step ({w['precision']}, batch {w['batch']})",
+                f"{w['samples_per_s']:,.1f} samples/s{extra}",
+                _pct(w["fraction_of_peak"]),
+            )
+        con.print(t)
+        if r["peak"].get("bandwidth_origin"):
+            con.print(f"[dim]bandwidth peak: {r['peak']['bandwidth_origin']}[/]")
+    for target, ratios in result.get("speedup", {}).items():
+        t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"{target} vs cpu", title_justify="left")
+        t.add_column("test")
+        t.add_column("speed-up", justify="right")
+        for name, x in ratios.items():
+            t.add_row(name, f"{x:,.1f}x")
+        con.print(t)
+    if "projections" in result:
+        bases = {v["basis"] for p in result["projections"].values() for v in p["matmul"].values()}
+        bases |= {w["basis"] for p in result["projections"].values() for w in p["workloads"].values()}
+        con.print("[dim]projected, not measured (no GPU here): " + "; ".join(sorted(bases)) + "[/]")
+
+
+@app.command()
+def bench(
+    device: Annotated[str, typer.Option(help="cpu, cuda:N, or all (every device here).")] = "all",
+    quick: Annotated[bool, typer.Option("--quick", help="Smaller sizes: under a minute on 2 CPU cores.")] = False,
+    out: Annotated[Optional[Path], typer.Option(help="Where bench.json and bench.png go [runs/bench-TIME].")] = None,
+    catalog: CatalogOpt = None,
+    as_json: JsonOpt = False,
+):
+    """CPU vs GPU, measured: matmul per dtype, memory bandwidth, host<->device copies and a training
+    step of each workload, each as a fraction of the device's peak; a PNG chart beside the JSON."""
+    from gpuwise.bench.chart import draw
+    from gpuwise.bench.run import run_bench
+
+    status = Console(stderr=True)
+    with status.status("benchmarking") as spinner:
+        result = run_bench(device, quick, _catalog(catalog), progress=lambda msg: spinner.update(msg))
+    out = out or Path("runs") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    result["files"] = {"json": str(out / "bench.json"), "png": str(draw(result, out / "bench.png"))}
+    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    if as_json:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    else:
+        render(console, result)
+        console.print(f"wrote {result['files']['json']} and {result['files']['png']}")
