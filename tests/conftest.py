@@ -23,3 +23,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _private_run_record(tmp_path, monkeypatch):
+    # Every test writes its plans, benches and runs to its own record, never the user's.
+    monkeypatch.setenv("GPUWISE_DB", str(tmp_path / "runs.sqlite"))

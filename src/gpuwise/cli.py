@@ -66,8 +66,14 @@ def _main(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
+    db: Annotated[
+        Optional[Path],
+        typer.Option("--db", help="The run record (SQLite) [user data dir; or GPUWISE_DB].", metavar="FILE"),
+    ] = None,
 ):
-    """Plan (memory, time, cost per accelerator), inspect this machine, and more to come."""
+    """Plan (memory, time, cost per accelerator), inspect this machine, train, bench, and keep the record."""
+    if db is not None:
+        os.environ["GPUWISE_DB"] = str(db)  # one switch for every command of this invocation
 
 
 @app.command()
@@ -205,7 +211,12 @@ def plan(
         kwh_usd=kwh_usd,
         pue=pue,
     )
-    result = make_plan(resolve_model(model), req, _catalog(catalog))
+    from gpuwise.runs import db as rundb
+
+    cat = _catalog(catalog)
+    cat.calibration = rundb.calibration_map()
+    result = make_plan(resolve_model(model), req, cat)
+    result["record_id"] = rundb.try_record("plan", gpu or "catalog sweep", result["model"]["name"], result)
     if as_json:
         _emit(result)
     else:
@@ -215,6 +226,7 @@ def plan(
 
 
 import gpuwise.cli_bench  # noqa: E402,F401  (registers bench on the app)
+import gpuwise.cli_runs  # noqa: E402,F401  (registers runs on the app)
 import gpuwise.cli_train  # noqa: E402,F401  (registers train and predict on the app)
 
 

@@ -79,6 +79,15 @@ def bench(
     out = out or Path("runs") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     result["files"] = {"json": str(out / "bench.json"), "png": str(draw(result, out / "bench.png"))}
+    from gpuwise.runs import db as rundb
+
+    keys = [r["key"] for r in result["devices"].values()]
+    result["record_id"] = rundb.try_record("bench", ", ".join(keys), "bench", result, run_dir=str(out))
+    if result["record_id"] is not None:
+        for r in result["devices"].values():  # what plan and train use for this device from now on
+            fractions = {f"matmul.{k}": m["fraction_of_peak"] for k, m in r["matmul"].items()}
+            fractions |= {f"workload.{k}": w["fraction_of_peak"] for k, w in r["workloads"].items()}
+            rundb.calibrate(r["key"], fractions, result["record_id"])
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")

@@ -76,7 +76,8 @@ def measure_device(device: torch.device, catalog: Catalog, size: str, progress=l
     n, bw_bytes, hd_bytes, steps, min_time = SIZES[size]["cuda" if device.type == "cuda" else "cpu"]
     peak = _peaks(device, catalog)
     isa = detect_cpu().isa if device.type == "cpu" else []
-    out: dict = {"peak": peak, "matmul": {}, "workloads": {}}
+    key = f"cpu:{peak['name']}" if device.type == "cpu" else f"cuda:{peak.get('slug') or peak['name']}"
+    out: dict = {"key": key, "peak": peak, "matmul": {}, "workloads": {}}
     for name, dtype in micro.dtypes_for(device, isa).items():
         progress(f"{device}: matmul {name} {n}x{n}")
         r = micro.matmul(device, name, dtype, n, min_time)

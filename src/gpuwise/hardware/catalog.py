@@ -185,6 +185,8 @@ class Catalog:
     accelerators: dict[str, Accelerator] = field(default_factory=dict)
     cloud: list[CloudPrice] = field(default_factory=list)
     purchase: list[PurchasePrice] = field(default_factory=list)
+    # (slug, "matmul.<dtype>") -> (fraction of dense peak, origin), from `gpuwise bench` runs on such a card
+    calibration: dict[tuple[str, str], tuple[float, str]] = field(default_factory=dict)
 
     def get(self, slug: str) -> Accelerator:
         acc = self.accelerators.get(slug.lower())

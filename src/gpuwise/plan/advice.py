@@ -72,7 +72,8 @@ def plan_warnings(model: ModelSpec, req: r.PlanRequest, options: list[Plan], cat
             "nothing in the catalog fits: try --checkpointing full, a smaller --batch or --seq, "
             "--task lora/qlora, or more --gpus"
         )
-    if req.efficiency is None:
+    best = options[0].compute
+    if best and best.efficiency_origin == r.EFFICIENCY.origin:
         out.append(
             f"the time rests on the default efficiency {r.EFFICIENCY.value} of dense peak (PaLM's MFU); "
             "pass --efficiency with a value measured on your stack"
@@ -89,7 +90,11 @@ def assumptions_used(req: r.PlanRequest, plan: Plan) -> list[dict]:
         }
 
     out = [
-        item("efficiency", req.efficiency, r.EFFICIENCY),
+        {
+            "name": "efficiency",
+            "value": plan.compute.efficiency if plan.compute else r.EFFICIENCY.value,
+            "origin": plan.compute.efficiency_origin if plan.compute else r.EFFICIENCY.origin,
+        },
         {"name": "overhead_bytes", "value": r.OVERHEAD_BYTES.value, "origin": r.OVERHEAD_BYTES.origin},
         {"name": "allocator_slack", "value": r.ALLOCATOR_SLACK.value, "origin": r.ALLOCATOR_SLACK.origin},
     ]

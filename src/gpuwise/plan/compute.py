@@ -77,13 +77,22 @@ def training_flops_per_token(model: ModelSpec, req: PlanRequest) -> tuple[float,
     return model_flops, model_flops + recompute
 
 
-def compute(model: ModelSpec, req: PlanRequest, acc: Accelerator, layout: Layout, mem: Memory) -> Compute | None:
+def compute(
+    model: ModelSpec,
+    req: PlanRequest,
+    acc: Accelerator,
+    layout: Layout,
+    mem: Memory,
+    calibrated: tuple[float, str] | None = None,
+) -> Compute | None:
     """None when the accelerator has no peak for the precision (e.g. bf16 on a T4)."""
     peak_tflops = acc.peak_tflops(req.precision)
     if not peak_tflops:
         return None
-    eff = req.efficiency if req.efficiency is not None else EFFICIENCY.value
-    eff_origin = "--efficiency" if req.efficiency is not None else EFFICIENCY.origin
+    if req.efficiency is not None:
+        eff, eff_origin = req.efficiency, "--efficiency"
+    else:  # a fraction gpuwise bench measured on this kind of card beats the published default
+        eff, eff_origin = calibrated or (EFFICIENCY.value, EFFICIENCY.origin)
     peak = peak_tflops * 1e12
     tokens, tokens_origin = job_tokens(model, req)
 

@@ -87,7 +87,7 @@ def max_batch(model: ModelSpec, req: PlanRequest, acc: Accelerator, layout: Layo
 
 def plan_one(model: ModelSpec, req: PlanRequest, acc: Accelerator, layout: Layout, catalog: Catalog) -> Plan:
     mem = memory(model, req, layout)
-    comp = compute(model, req, acc, layout, mem)
+    comp = compute(model, req, acc, layout, mem, catalog.calibration.get((acc.slug, f"matmul.{req.precision}")))
     cap = acc.mem_bytes
     if comp is None:
         fits, why = (

@@ -182,11 +182,15 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
     set_rng_state(rng)
     peak, peak_origin = measure.peak_flops(accelerator, precision, fabric.local_rank)
     flops_per_step = flops_per_sample * cfg.batch_size
+    device_key = measure.device_key(accelerator, fabric.local_rank)
+    efficiency, efficiency_origin = measure.step_efficiency(device_key, cfg.workload)
     plan = {
         "peak_bytes": int(estimate(micro)),
-        "step_time_s": measure.planned_step_time(flops_per_step, peak, world) if flops_per_step else None,
+        "step_time_s": measure.planned_step_time(flops_per_step, peak, world, efficiency) if flops_per_step else None,
+        "efficiency": efficiency,
+        "efficiency_origin": efficiency_origin,
         "method": "model states + activations saved for backward, counted on one micro-batch; "
-        "time = FLOPs / (peak x default efficiency)",
+        "time = FLOPs / (peak x efficiency)",
     }
     if work.model_spec is not None:
         plan |= analytic_plan(work, cfg, micro, precision)
@@ -321,6 +325,10 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
     from gpuwise.train.report import projection
 
     summary["projection"] = projection(summary)
+    if fabric.is_global_zero:
+        from gpuwise.runs.db import try_record
+
+        summary["record_id"] = try_record("train", device_key, cfg.workload, summary, run_dir=str(run_dir))
     rec.summary(summary)
     rec.close()
     return summary if fabric.is_global_zero else None

@@ -66,8 +66,31 @@ def peak_flops(accelerator: str, precision: str, device_index: int = 0) -> tuple
     return None, f"no peak known for {accelerator}"
 
 
-def planned_step_time(flops_per_step: float, peak: float | None, processes: int) -> float | None:
-    return flops_per_step / (peak * EFFICIENCY.value * processes) if peak else None
+def device_key(accelerator: str, device_index: int = 0) -> str:
+    """How the run record names this device: cpu:<model> or cuda:<catalog slug>."""
+    if accelerator == "cuda":
+        from gpuwise.hardware.catalog import load_catalog, match_device
+
+        name = torch.cuda.get_device_name(device_index)
+        acc = match_device(load_catalog(), name)
+        return f"cuda:{acc.slug if acc else name}"
+    if accelerator == "cpu":
+        from gpuwise.hardware.cpu import detect_cpu
+
+        return f"cpu:{detect_cpu().model}"
+    return accelerator
+
+
+def step_efficiency(device: str, workload: str) -> tuple[float, str]:
+    """The share of peak this workload's step reached in `gpuwise bench` on this device, else the default."""
+    from gpuwise.runs.db import calibration
+
+    found = calibration(device, f"workload.{workload}")
+    return found or (EFFICIENCY.value, EFFICIENCY.origin)
+
+
+def planned_step_time(flops_per_step: float, peak: float | None, processes: int, efficiency: float) -> float | None:
+    return flops_per_step / (peak * efficiency * processes) if peak else None
 
 
 class PeakMemory:

@@ -133,6 +133,8 @@ def render(console, s: dict) -> None:
     )
     console.print(t)
     console.print(f"[dim]plan: {plan.get('method')}; actual memory: {actual.get('method')}[/]")
+    if plan.get("efficiency_origin"):
+        console.print(f"[dim]plan efficiency {plan['efficiency']:.3g}: {plan['efficiency_origin']}[/]")
     if s.get("projection"):
         t = Table(
             box=box.SIMPLE_HEAD, pad_edge=False, title="the same run elsewhere (projection)", title_justify="left"

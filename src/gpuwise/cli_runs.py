@@ -1,0 +1,82 @@
+"""`gpuwise runs`: the record of every plan, bench and training run, and how good the estimates were."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.table import Table
+
+from gpuwise.cli import JsonOpt, app, console
+
+runs_app = typer.Typer(
+    help="The record (SQLite) of every plan, bench and run: list, show, compare.", no_args_is_help=False
+)
+app.add_typer(runs_app, name="runs")
+
+
+def _headline(r: dict) -> str:
+    d = r["data"]
+    if r["kind"] == "train":
+        ev = {k: v for k, v in d.get("eval", {}).items() if isinstance(v, int | float) and k not in ("n", "users")}
+        first = next(iter(ev.items()), None)
+        return f"{d.get('steps')} steps" + (f", {first[0]} {first[1]:.4g}" if first else "")
+    if r["kind"] == "plan":
+        comp = d.get("compute") or {}
+        return f"{d.get('gpus')} x {d.get('gpu')}, fits {d.get('fits')}, {comp.get('gpu_hours', 0):,.1f} GPU-h"
+    return ", ".join(f"{k} {len(v.get('workloads', {}))} workloads" for k, v in d.get("devices", {}).items())
+
+
+@runs_app.callback(invoke_without_command=True)
+def runs(ctx: typer.Context, as_json: JsonOpt = False):
+    """List every recorded plan, bench and training run."""
+    if ctx.invoked_subcommand:
+        return
+    from gpuwise.runs import db
+
+    rows = db.rows()
+    if as_json:
+        sys.stdout.write(json.dumps([{k: v for k, v in r.items() if k != "data"} for r in rows], indent=2) + "\n")
+        return
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"run record: {db.default_path()}", title_justify="left")
+    for col in ("id", "kind", "when (UTC)", "device", "name", "result"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(str(r["id"]), r["kind"], r["created"], r["device"], r["name"], _headline(r))
+    console.print(t)
+
+
+@runs_app.command()
+def show(record_id: Annotated[int, typer.Argument(help="A record id from `gpuwise runs`.")]):
+    """Everything recorded for one plan, bench or run (its JSON)."""
+    from gpuwise.runs import db
+
+    sys.stdout.write(json.dumps(db.get(record_id), indent=2) + "\n")
+
+
+@runs_app.command()
+def compare(as_json: JsonOpt = False):
+    """The error of every estimate over all recorded training runs: (estimate - measured) / measured."""
+    from gpuwise.runs import db
+
+    rows = db.compare()
+    if as_json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="plan vs actual over recorded runs", title_justify="left")
+    for col in ("id", "workload", "device", "memory error", "step-time error", "step-time efficiency from"):
+        t.add_column(col, justify="right" if "error" in col else "left")
+    for r in rows:
+        fmt = lambda x: "-" if x is None else f"{x:+.0%}"  # noqa: E731
+        t.add_row(
+            str(r["id"]),
+            r["workload"],
+            r["device"],
+            fmt(r["memory_error"]),
+            fmt(r["step_time_error"]),
+            (r["step_time_basis"] or "-")[:60],
+        )
+    console.print(t)
