@@ -43,6 +43,15 @@ def run_cli(args, **kw):
     return subprocess.run(GPUWISE + args, capture_output=True, text=True, **kw)
 
 
+def small_run(cells, run_dir, **overrides) -> dict:
+    """An in-process training run of the defects CNN on the small image folder."""
+    from gpuwise.train.config import TrainConfig
+    from gpuwise.train.loop import train
+
+    cfg = dict(workload="defects", data=str(cells), image_size=32, batch_size=8, run_dir=str(run_dir)) | overrides
+    return train(TrainConfig(**cfg))
+
+
 def weights(run_dir: Path) -> dict:
     return load_file(str(run_dir / "model.safetensors"))
 
@@ -138,24 +147,9 @@ def test_two_processes_give_the_same_weights_as_one(cells, tmp_path):
 
 
 def test_injected_oom_keeps_the_loss_trajectory(cells, tmp_path, monkeypatch):
-    from gpuwise.train.config import TrainConfig
-    from gpuwise.train.loop import train
-
-    def run(name):
-        cfg = TrainConfig(
-            workload="defects",
-            data=str(cells),
-            image_size=32,
-            batch_size=8,
-            micro_batch_size=8,
-            max_steps=6,
-            run_dir=str(tmp_path / name),
-        )
-        return train(cfg)
-
-    clean = run("clean")
+    clean = small_run(cells, tmp_path / "clean", micro_batch_size=8, max_steps=6)
     monkeypatch.setenv("GPUWISE_INJECT_OOM", "2")
-    hit = run("oom")
+    hit = small_run(cells, tmp_path / "oom", micro_batch_size=8, max_steps=6)
     assert hit["oom_events"] == [{"step": 2, "from": 8, "to": 4}]
     assert hit["micro_batch"] == 4 and hit["accumulation"] == 2 and hit["global_batch"] == 8
     assert clean["micro_batch"] == 8
@@ -164,22 +158,9 @@ def test_injected_oom_keeps_the_loss_trajectory(cells, tmp_path, monkeypatch):
 
 def test_checkpoints_are_whole_and_pruned(cells, tmp_path):
     from gpuwise.train import checkpoint
-    from gpuwise.train.config import TrainConfig
-    from gpuwise.train.loop import train
 
     run = tmp_path / "run"
-    train(
-        TrainConfig(
-            workload="defects",
-            data=str(cells),
-            image_size=32,
-            batch_size=8,
-            max_steps=6,
-            checkpoint_every=1,
-            keep_checkpoints=2,
-            run_dir=str(run),
-        )
-    )
+    small_run(cells, run, max_steps=6, checkpoint_every=1, keep_checkpoints=2)
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert names == ["step-000005", "step-000006"]  # no temp names left, the last two kept
     assert checkpoint.verify(run / "checkpoints" / "step-000006") is None
@@ -187,43 +168,17 @@ def test_checkpoints_are_whole_and_pruned(cells, tmp_path):
         assert (run / f).is_file(), f
     assert any((run / "tensorboard").iterdir())
     summary = json.loads((run / "summary.json").read_text())
-    for key in (
-        "workload",
-        "steps",
-        "final_loss",
-        "eval",
-        "baseline",
-        "throughput",
-        "mfu",
-        "device",
-        "precision",
-        "plan",
-        "actual",
-    ):
+    for key in ("workload", "steps", "final_loss", "eval", "baseline", "throughput", "mfu", "device", "precision",
+                "plan", "actual"):
         assert key in summary, key
     assert set(summary["throughput"]) == {"samples_per_s", "tokens_per_s"}
-    assert {"peak_bytes", "step_time_s"} <= set(summary["plan"]) and {"peak_bytes", "step_time_s"} <= set(
-        summary["actual"]
-    )
+    assert {"peak_bytes", "step_time_s"} <= set(summary["plan"]) & set(summary["actual"])
 
 
 def test_same_micro_batch_split_gives_same_weights(cells, tmp_path):
     # Gradient accumulation: 8 = 8 x 1 or 2 x 4 is the same step (GroupNorm: no cross-sample statistics).
-    from gpuwise.train.config import TrainConfig
-    from gpuwise.train.loop import train
-
     for name, micro in (("whole", 8), ("split", 2)):
-        train(
-            TrainConfig(
-                workload="defects",
-                data=str(cells),
-                image_size=32,
-                batch_size=8,
-                micro_batch_size=micro,
-                max_steps=4,
-                run_dir=str(tmp_path / name),
-            )
-        )
+        small_run(cells, tmp_path / name, micro_batch_size=micro, max_steps=4)
     assert_same_training(tmp_path / "whole", tmp_path / "split")
 
 

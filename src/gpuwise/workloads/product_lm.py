@@ -32,7 +32,12 @@ SMALL_LLAMA = dict(
 
 
 def quiet_transformers() -> None:
+    import logging
+
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # bitsandbytes tries to fetch an optional CPU kernel from the hub at import and warns when it can't;
+    # nothing is fetched at run time here, and its built-in CPU path is what we use.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     import transformers
 
     transformers.logging.set_verbosity_error()
