@@ -12,6 +12,7 @@ Goal (issue #3): ours / HF >= 1.0.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -69,6 +70,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    # A benchmark measures; it does not belong in the user's run record.
+    os.environ["GPUWISE_DB"] = str(Path(tempfile.mkdtemp()) / "benchmark-runs.sqlite")
 
     from gpuwise.train.config import TrainConfig
     from gpuwise.train.loop import train

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -47,6 +49,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    # A benchmark measures; it does not belong in the user's run record.
+    os.environ["GPUWISE_DB"] = str(Path(tempfile.mkdtemp()) / "benchmark-runs.sqlite")
 
     from gpuwise.train.config import TrainConfig
     from gpuwise.train.loop import train
