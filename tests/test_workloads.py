@@ -41,6 +41,8 @@ def test_defects_metrics_baseline_and_predict(capsys, cells, tmp_path):
     assert code == 0, err
     [row] = json.loads(out)
     assert 0 <= row["probability"] <= 1 and row["label"] in ("functional", "defective")
+    code, out, err = cli(capsys, "predict {} {}", tmp_path / "run", cells / "defective" / "000.png")
+    assert code == 0 and "p(defective) = " in out, err
 
 
 def test_defects_transfer_learning_from_a_local_image_model(capsys, cells, tmp_path):
