@@ -23,6 +23,10 @@ def test_quick_cpu_bench_json_and_chart(capsys, tmp_path):
     assert all("(projected)" in k for k in res["speedup"])
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "bench.json").read_text())["devices"].keys() == res["devices"].keys()
+    # ... recorded, and its report draws the same bars
+    page = tmp_path / "bench.html"
+    assert main(["report", "--bench", str(res["record_id"]), "--out", str(page)]) == 0
+    assert page.read_text().count("data:image/png;base64,") == 1
 
 
 @pytest.mark.parametrize("device,needle", [("cuda:7", "no such CUDA device"), ("tpu", "must be cpu, cuda:N or all")])

@@ -3,9 +3,10 @@
 import json
 
 import pytest
-from train_data import image_folder
 
 from gpuwise.cli import main
+
+from train_data import image_folder
 
 pytestmark = pytest.mark.gpu
 

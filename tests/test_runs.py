@@ -6,10 +6,10 @@ import os
 import subprocess
 import sys
 
-from train_data import image_folder
-
 from gpuwise.cli import main
 from gpuwise.runs import db
+
+from train_data import image_folder
 
 
 def test_two_concurrent_writers_lose_nothing(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
 from train_data import image_folder
 
 GPUWISE = [sys.executable, "-m", "gpuwise"]

@@ -5,9 +5,10 @@ import json
 from pathlib import Path
 
 import pytest
-from train_data import image_folder, interactions_csv, reviews_jsonl
 
 from gpuwise.cli import main
+
+from train_data import image_folder, interactions_csv, reviews_jsonl
 
 
 def cli(capsys, command: str, *paths) -> tuple[int, str, str]:

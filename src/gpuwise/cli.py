@@ -226,6 +226,7 @@ def plan(
 
 
 import gpuwise.cli_bench  # noqa: E402,F401  (registers bench on the app)
+import gpuwise.cli_report  # noqa: E402,F401  (registers report on the app)
 import gpuwise.cli_runs  # noqa: E402,F401  (registers runs on the app)
 import gpuwise.cli_train  # noqa: E402,F401  (registers train and predict on the app)
 

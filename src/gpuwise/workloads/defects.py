@@ -234,7 +234,11 @@ def predict(run_dir: Path, cfg, inputs: list[str], **_) -> list[dict]:
     images = np.stack([read_image(Path(p), meta["image_size"]) for p in inputs])
     probs = predict_proba(model, images, "cpu")
     return [
-        {"input": p, "probability": float(q), "label": meta["classes"][int(q >= meta["threshold"])],
-         "positive_class": meta["classes"][1]}
+        {
+            "input": p,
+            "probability": float(q),
+            "label": meta["classes"][int(q >= meta["threshold"])],
+            "positive_class": meta["classes"][1],
+        }
         for p, q in zip(inputs, probs, strict=True)
     ]

@@ -1,0 +1,47 @@
+"""`gpuwise report`: a self-contained HTML page for a run, a recorded plan sweep, or a recorded bench."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from gpuwise.cli import app, console
+from gpuwise.errors import GpuwiseError
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Optional[Path], typer.Argument(help="A finished `gpuwise train` run.")] = None,
+    plan: Annotated[
+        Optional[int],
+        typer.Option(
+            "--plan",
+            help="A plan record id (`gpuwise runs`): its catalog sweep as cost against time, the Pareto front marked.",
+        ),
+    ] = None,
+    bench: Annotated[Optional[int], typer.Option("--bench", help="A bench record id: its bars.")] = None,
+    out: Annotated[
+        Optional[Path], typer.Option(help="The HTML file [RUN_DIR/report.html, or plan-ID.html / bench-ID.html here].")
+    ] = None,
+):
+    """Write an HTML report with its plots inlined: loss and metric curves, throughput, plan vs actual."""
+    from gpuwise.report import html
+    from gpuwise.runs import db
+
+    chosen = [x is not None for x in (run_dir, plan, bench)]
+    if sum(chosen) != 1:
+        raise GpuwiseError("give exactly one of RUN_DIR, --plan ID or --bench ID")
+    if run_dir is not None:
+        page, target = html.run_report(run_dir), out or run_dir / "report.html"
+    else:
+        record_id = plan if plan is not None else bench
+        record = db.get(record_id)
+        kind = "plan" if plan is not None else "bench"
+        if record["kind"] != kind:
+            raise GpuwiseError(f"record #{record_id} is a {record['kind']}, not a {kind}")
+        page = html.plan_report(record) if kind == "plan" else html.bench_report(record)
+        target = out or Path(f"{kind}-{record_id}.html")
+    target.write_text(page, encoding="utf-8")
+    console.print(f"wrote {target}")
