@@ -10,21 +10,26 @@ import torch
 from torch import nn
 
 
+def _place(model, device):
+    # On fake tensors (the traced planner) a module cannot be moved: it stays where it was built.
+    return model if device.type == "cpu" else model.to(device)
+
+
 def _defects(device):
     from gpuwise.workloads.defects import DefectCNN
 
-    model = DefectCNN().to(device)
+    model = _place(DefectCNN(), device)
     x, y = torch.randn(32, 1, 128, 128, device=device), torch.rand(32, device=device)
     return model, lambda: nn.functional.binary_cross_entropy_with_logits(model(x).float(), y), 32, None
 
 
 def _recommender(device):
-    from gpuwise.workloads.recommender import MatrixFactorization
+    from gpuwise.workloads.recommender import MatrixFactorization, bpr_loss
 
-    model = MatrixFactorization(671, 9066).to(device)  # MovieLens' users and movies
+    model = _place(MatrixFactorization(671, 9066), device)  # MovieLens' users and movies
     g = torch.Generator().manual_seed(0)
     u, i, j = (torch.randint(0, n, (1024,), generator=g).to(device) for n in (671, 9066, 9066))
-    return model, lambda: -nn.functional.logsigmoid(model(u, i) - model(u, j)).mean(), 1024, None
+    return model, lambda: bpr_loss(model, u, i, j), 1024, None
 
 
 def _product_lm(device):
@@ -32,7 +37,7 @@ def _product_lm(device):
 
     from gpuwise.workloads.product_lm import SMALL_LLAMA
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=4096, max_position_embeddings=512, **SMALL_LLAMA)).to(device)
+    model = _place(LlamaForCausalLM(LlamaConfig(vocab_size=4096, max_position_embeddings=512, **SMALL_LLAMA)), device)
     ids = torch.randint(0, 4096, (8, 128), generator=torch.Generator().manual_seed(0)).to(device)
     return model, lambda: model(input_ids=ids, labels=ids).loss.float(), 8, 128
 

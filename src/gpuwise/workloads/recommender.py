@@ -77,6 +77,14 @@ class MatrixFactorization(nn.Module):
         return self.user(users) @ self.item.weight.T + self.bias.weight.T
 
 
+def bpr_loss(model, users, pos, neg):
+    """BPR in one forward over positives and negatives together: one call per step (a module called
+    twice is one that torch's MemTracker, behind the traced planner, cannot follow)."""
+    scores = model(torch.cat([users, users]), torch.cat([pos, neg]))
+    s_pos, s_neg = scores.chunk(2)
+    return -nn.functional.logsigmoid(s_pos - s_neg).mean()
+
+
 def negatives(indices: np.ndarray, seed: int, epoch: int, n_items: int) -> np.ndarray:
     """A negative item per sample from a hash of (seed, epoch, index) (splitmix64): the same sample
     draws the same negative whatever batch or process it lands in."""
@@ -129,8 +137,7 @@ def build(cfg, run_dir: Path) -> Workload:
         }
 
     def loss(model, batch):
-        pos, neg = model(batch["user"], batch["pos"]), model(batch["user"], batch["neg"])
-        return -nn.functional.logsigmoid(pos - neg).mean()
+        return bpr_loss(model, batch["user"], batch["pos"], batch["neg"])
 
     def score_users(score_fn) -> dict:
         tops = []

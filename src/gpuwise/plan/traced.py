@@ -1,0 +1,173 @@
+"""The traced planner: any PyTorch model, planned by running one training step on fake tensors.
+
+The model and its batch are built under FakeTensorMode (shapes and dtypes, no memory, no compute);
+one step (forward, backward, AdamW) runs untracked so the optimizer states exist, then a second runs
+under torch's MemTracker (peak memory by category), FlopCounterMode (FLOPs) and a roofline counter
+(time). Only this path imports torch; `gpuwise plan` without --traced never does.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from gpuwise.errors import GpuwiseError
+from gpuwise.hardware.catalog import Accelerator
+from gpuwise.plan.request import ALLOCATOR_SLACK, EFFICIENCY, OVERHEAD_BYTES
+
+
+class Roofline(TorchDispatchMode):
+    """Per operation: max(FLOPs / peak, bytes moved / bandwidth), summed. torch's RuntimeEstimator has
+    a roofline mode too, but it insists on a CUDA device; this is that counter, small enough to own."""
+
+    def __init__(self, peak_flops: float, bandwidth: float):
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self.registry, self.peak, self.bandwidth = flop_registry, peak_flops, bandwidth
+        self.seconds = self.flops = self.bytes = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        flops = self.registry[packet](*args, **kwargs, out_val=out) if packet in self.registry else 0
+        moved = 0 if func.is_view else sum(
+            t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor))
+        self.flops += flops
+        self.bytes += moved
+        self.seconds += max(flops / self.peak, moved / self.bandwidth)
+        return out
+
+
+@dataclass
+class Traced:
+    name: str
+    memory: dict[str, float]  # bytes per GPU: weights, gradients, optimizer, activations, overhead, total
+    flops: float  # one training step
+    bytes_moved: float
+    roofline_s: float
+
+
+def _loss_of(output) -> torch.Tensor:
+    """A user's model may return a loss (HF), a tensor or a tuple: a scalar to backpropagate from."""
+    if getattr(output, "loss", None) is not None:
+        return output.loss
+    if isinstance(output, tuple | list):
+        output = output[0]
+    if getattr(output, "logits", None) is not None:
+        output = output.logits
+    return output.float().mean()
+
+
+def module_factory(spec: str):
+    """``package.module:factory`` -> a callable returning (model, example batch)."""
+    mod_name, _, attr = spec.partition(":")
+    if not attr:
+        raise GpuwiseError(f"--module {spec}: expected package.module:factory")
+    try:
+        factory = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise GpuwiseError(f"--module {spec}: {e}") from None
+
+    def build():
+        model, batch = factory()
+        if isinstance(batch, dict):
+            return model, lambda: _loss_of(model(**batch))
+        if isinstance(batch, tuple | list):
+            return model, lambda: _loss_of(model(*batch))
+        return model, lambda: _loss_of(model(batch))
+
+    return build
+
+
+def workload_factory(name: str):
+    from gpuwise.bench.macro import WORKLOADS
+
+    if name not in WORKLOADS:
+        from gpuwise.errors import closest
+
+        raise GpuwiseError(f"unknown workload '{name}'{closest(name, WORKLOADS)}")
+
+    def build():
+        model, loss_fn, _, _ = WORKLOADS[name](torch.device("cpu"))
+        return model, loss_fn
+
+    return build
+
+
+def spec_factory(spec, batch: int, seq: int):
+    """A transformers model from the analytic planner's ModelSpec (Llama-style families)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if spec.family not in ("llama", "mistral", "qwen2", "custom") or not spec.gated or spec.linear_bias:
+        raise GpuwiseError(f"traced planning builds Llama-style models; {spec.name} is {spec.family}: "
+                           "use the analytic planner, or --module with your own factory")
+    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if spec.qkv_bias else (LlamaConfig, LlamaForCausalLM)
+    config = config_cls(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
+                        num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+                        num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, tie_word_embeddings=spec.tied,
+                        max_position_embeddings=max(seq, 16))
+    # Eager attention: its QK^T and AV are plain matmuls that the FLOP formulas see; a fused SDPA kernel
+    # on the CPU has no formula registered and would count as zero.
+    config._attn_implementation = "eager"
+
+    def build():
+        model = model_cls(config)
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+        return model, lambda: model(input_ids=ids, labels=ids).loss
+
+    return build
+
+
+def trace(name: str, build, acc: Accelerator, precision: str) -> Traced:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    peak = acc.peak_tflops(precision)
+    if not peak:
+        raise GpuwiseError(f"no dense {precision} peak for {acc.name} in the catalog")
+    autocast = precision in ("bf16", "fp16")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, loss_fn = build()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+        def step():
+            with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+                loss = loss_fn()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()  # the optimizer states now exist, as in every step after the first
+        tracker, roof = MemTracker(), Roofline(peak * 1e12, acc.mem_bw_gbs * 1e9)
+        tracker.track_external(model, opt)
+        with tracker, roof:
+            step()
+    snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    by = {str(k).split(".")[-1]: v for k, v in snap.items()}
+    memory = {"weights": by.get("PARAM", 0) + by.get("BUFFER", 0), "gradients": by.get("GRAD", 0),
+              "optimizer": by.get("OPT", 0), "activations": by.get("ACT", 0) + by.get("TEMP", 0) + by.get("OTH", 0)}
+    tensors = by.get("Total", sum(memory.values()))
+    memory["overhead"] = OVERHEAD_BYTES.value + ALLOCATOR_SLACK.value * tensors
+    memory["total"] = tensors + memory["overhead"]
+    return Traced(name, memory, roof.flops, roof.bytes, roof.seconds)
+
+
+def traced_plan(name: str, build, acc: Accelerator, precision: str, efficiency: float | None) -> dict:
+    t = trace(name, build, acc, precision)
+    eff, origin = (efficiency, "--efficiency") if efficiency else (EFFICIENCY.value, EFFICIENCY.origin)
+    return {
+        "traced": True, "model": {"name": name}, "gpu": acc.slug, "gpus": 1, "precision": precision,
+        "memory": {k: int(v) for k, v in t.memory.items()}, "capacity": acc.mem_bytes,
+        "fits": t.memory["total"] <= acc.mem_bytes,
+        "compute": {"flops_per_step": t.flops, "bytes_per_step": t.bytes_moved, "roofline_s": t.roofline_s,
+                    "efficiency": eff, "efficiency_origin": origin, "step_time_s": t.roofline_s / eff},
+        "method": "one training step on fake tensors: torch MemTracker (peak by category), FlopCounter "
+                  "formulas per op, roofline max(FLOPs/peak, bytes/bandwidth) per op / efficiency",
+    }

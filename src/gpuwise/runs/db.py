@@ -1,0 +1,149 @@
+"""The record: every plan, bench and training run in one SQLite file, and the calibration bench measured.
+
+SQLite in WAL mode with a busy timeout: two runs that finish at once both land (each write is one
+short transaction). Default location: the user's data directory; ``--db`` or GPUWISE_DB override it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from contextlib import closing
+from pathlib import Path
+
+from gpuwise.errors import GpuwiseError
+
+ENV_VAR = "GPUWISE_DB"
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS records (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind TEXT NOT NULL,          -- plan | bench | train
+    created TEXT NOT NULL,       -- ISO time, UTC
+    device TEXT NOT NULL,        -- cpu:<model>, cuda:<catalog slug>, or the planned accelerator
+    name TEXT NOT NULL,          -- the model or workload
+    run_dir TEXT,
+    data TEXT NOT NULL           -- the command's whole JSON output
+);
+CREATE TABLE IF NOT EXISTS calibration (
+    device TEXT NOT NULL,
+    key TEXT NOT NULL,           -- matmul.<dtype> or workload.<name>
+    fraction REAL NOT NULL,      -- achieved / dense peak, as gpuwise bench measured it
+    record_id INTEGER NOT NULL REFERENCES records(id),
+    updated TEXT NOT NULL,
+    PRIMARY KEY (device, key)
+);
+"""
+
+
+def default_path() -> Path:
+    if os.environ.get(ENV_VAR):
+        return Path(os.environ[ENV_VAR])
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("gpuwise")) / "runs.sqlite"
+
+
+def connect(path: Path | None = None) -> sqlite3.Connection:
+    path = Path(path) if path else default_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        con = sqlite3.connect(path, timeout=30)
+        con.execute("PRAGMA journal_mode=WAL")
+        con.executescript(SCHEMA)
+    except (OSError, sqlite3.DatabaseError) as e:
+        raise GpuwiseError(f"cannot open the run record {path}: {e}") from None
+    return con
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def record(kind: str, device: str, name: str, data: dict, run_dir: str | None = None, path: Path | None = None) -> int:
+    with closing(connect(path)) as con, con:
+        cur = con.execute(
+            "INSERT INTO records (kind, created, device, name, run_dir, data) VALUES (?, ?, ?, ?, ?, ?)",
+            (kind, now(), device, name, run_dir, json.dumps(data, default=str)),
+        )
+        return int(cur.lastrowid)
+
+
+def calibrate(device: str, fractions: dict[str, float], record_id: int, path: Path | None = None) -> None:
+    with closing(connect(path)) as con, con:
+        con.executemany(
+            "INSERT OR REPLACE INTO calibration (device, key, fraction, record_id, updated) VALUES (?, ?, ?, ?, ?)",
+            [(device, key, value, record_id, now()) for key, value in fractions.items() if value],
+        )
+
+
+def calibration(device: str, key: str, path: Path | None = None) -> tuple[float, str] | None:
+    """(fraction, origin) measured by gpuwise bench for this device, or None."""
+    target = Path(path) if path else default_path()
+    if not target.exists():
+        return None
+    with closing(connect(target)) as con:
+        row = con.execute("SELECT fraction, record_id, updated FROM calibration WHERE device = ? AND key = ?",
+                          (device, key)).fetchone()
+    if row is None:
+        return None
+    return row[0], f"measured by gpuwise bench on {device} ({key}, record #{row[1]}, {row[2]})"
+
+
+def rows(kind: str | None = None, path: Path | None = None) -> list[dict]:
+    with closing(connect(path)) as con:
+        query = "SELECT id, kind, created, device, name, run_dir, data FROM records"
+        args: tuple = ()
+        if kind:
+            query, args = query + " WHERE kind = ?", (kind,)
+        out = con.execute(query + " ORDER BY id", args).fetchall()
+    keys = ("id", "kind", "created", "device", "name", "run_dir", "data")
+    return [dict(zip(keys, r, strict=True)) | {"data": json.loads(r[6])} for r in out]
+
+
+def get(record_id: int, path: Path | None = None) -> dict:
+    found = [r for r in rows(path=path) if r["id"] == record_id]
+    if not found:
+        raise GpuwiseError(f"no record #{record_id} in {Path(path) if path else default_path()}")
+    return found[0]
+
+
+def compare(path: Path | None = None) -> list[dict]:
+    """Every training run's estimates against what it measured: signed (estimate - measured) / measured."""
+    out = []
+    for r in rows("train", path):
+        plan, actual = r["data"].get("plan", {}), r["data"].get("actual", {})
+        row = {"id": r["id"], "workload": r["name"], "device": r["device"], "created": r["created"]}
+        for key, label in (("peak_bytes", "memory_error"), ("step_time_s", "step_time_error")):
+            p, a = plan.get(key), actual.get(key)
+            row[label] = (p - a) / a if p and a else None
+            row[f"plan_{key}"], row[f"actual_{key}"] = p, a
+        row["step_time_basis"] = plan.get("efficiency_origin")
+        out.append(row)
+    return out
+
+
+def calibration_map(path: Path | None = None) -> dict[tuple[str, str], tuple[float, str]]:
+    """{(catalog slug, key): (fraction, origin)} for the GPUs bench has measured: what `plan` uses."""
+    target = Path(path) if path else default_path()
+    if not target.exists():
+        return {}
+    with closing(connect(target)) as con:
+        found = con.execute("SELECT device, key, fraction, record_id, updated FROM calibration").fetchall()
+    return {
+        (device.split(":", 1)[1], key): (fraction, f"measured by gpuwise bench on {device} ({key}, record #{rid}, {when})")
+        for device, key, fraction, rid, when in found
+        if device.startswith("cuda:")
+    }
+
+
+def try_record(kind: str, device: str, name: str, data: dict, run_dir: str | None = None) -> int | None:
+    """Record, or say in one line on stderr why not: a full disk must not cost the user the result."""
+    import sys
+
+    try:
+        return record(kind, device, name, data, run_dir)
+    except (GpuwiseError, sqlite3.Error) as e:
+        print(f"gpuwise: warning: not recorded: {e}", file=sys.stderr)
+        return None
