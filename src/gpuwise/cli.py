@@ -125,12 +125,22 @@ def devices(catalog: CatalogOpt = None, as_json: JsonOpt = False):
 @app.command(epilog="Presets: " + ", ".join(PRESETS) + ".")
 def plan(
     model: Annotated[
-        str,
+        Optional[str],
         typer.Option(
             help="A preset (listed below), a Hugging Face config.json (or its folder), "
             "or dimensions: layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256."
         ),
-    ],
+    ] = None,
+    workload: Annotated[
+        Optional[str], typer.Option(help="Trace a gpuwise workload's model instead: defects, recommender, product-lm.")
+    ] = None,
+    module: Annotated[
+        Optional[str],
+        typer.Option(help="Trace your own model: package.module:factory, a callable returning (model, example batch)."),
+    ] = None,
+    traced: Annotated[
+        bool, typer.Option("--traced", help="Plan by running one training step on fake tensors (any PyTorch model).")
+    ] = False,
     task: Annotated[Task, typer.Option(help="What to plan for.")] = Task.inference,
     batch: Annotated[int, typer.Option(help="Sequences per step (per micro-batch when training).")] = 1,
     seq: Annotated[int, typer.Option(help="Tokens per sequence (the prompt, for inference).")] = 2048,
@@ -213,6 +223,10 @@ def plan(
     )
     from gpuwise.runs import db as rundb
 
+    if sum(x is not None for x in (model, workload, module)) != 1:
+        raise GpuwiseError("give exactly one of --model, --workload or --module")
+    if workload or module or traced:
+        return _traced(model, workload, module, req, _catalog(catalog), as_json)
     cat = _catalog(catalog)
     cat.calibration = rundb.calibration_map()
     result = make_plan(resolve_model(model), req, cat)
@@ -223,6 +237,34 @@ def plan(
         from gpuwise.views import render_plan
 
         render_plan(console, result, sweep=gpu is None)
+
+
+def _traced(model, workload, module, req, cat, as_json: bool) -> None:
+    from gpuwise.plan import traced
+    from gpuwise.runs import db as rundb
+
+    if not req.gpu:
+        raise GpuwiseError("--traced plans one accelerator: add --gpu SLUG (see `gpuwise hardware`)")
+    if req.task not in ("pretrain", "finetune"):
+        raise GpuwiseError("--traced plans a full training step: use --task finetune or pretrain")
+    acc = cat.get(req.gpu)
+    if workload:
+        name, build = workload, traced.workload_factory(workload)
+    elif module:
+        name, build = module, traced.module_factory(module)
+    else:
+        from gpuwise.plan.model import resolve_model
+
+        spec = resolve_model(model)
+        name, build = spec.name, traced.spec_factory(spec, req.batch, req.seq)
+    result = traced.traced_plan(name, build, acc, req.precision, req.efficiency)
+    result["record_id"] = rundb.try_record("plan", acc.slug, name, result)
+    if as_json:
+        _emit(result)
+        return
+    from gpuwise.views import render_traced
+
+    render_traced(console, result)
 
 
 import gpuwise.cli_bench  # noqa: E402,F401  (registers bench on the app)

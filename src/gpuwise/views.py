@@ -198,6 +198,32 @@ def render_plan(console: Console, res: dict, sweep: bool) -> None:
     _render_detail(console, res)
 
 
+def render_traced(console: Console, res: dict) -> None:
+    mem, comp = res["memory"], res["compute"]
+    console.print(
+        f"[bold]{res['model']['name']}[/], traced on fake tensors · one training step · "
+        f"{res['precision']} · 1 x {res['gpu']}"
+    )
+    t = Table(box=box.SIMPLE, pad_edge=False, show_header=False)
+    t.add_column("part")
+    t.add_column("GiB", justify="right")
+    for part in ("weights", "gradients", "optimizer", "activations", "overhead"):
+        t.add_row(part, gib(mem[part]))
+    t.add_row("[bold]peak[/]", f"[bold]{gib(mem['total'])}[/]", end_section=True)
+    t.add_row("capacity", gib(res["capacity"]))
+    console.print(t)
+    console.print(
+        ("[green]fits[/]" if res["fits"] else "[red]does not fit[/]")
+        + "; the parts are what was live at the peak (torch MemTracker)"
+    )
+    console.print(
+        f"Step: {comp['flops_per_step']:.3g} FLOPs, {comp['bytes_per_step'] / 1e9:,.2f} GB moved; roofline "
+        f"{comp['roofline_s'] * 1e3:,.2f} ms / efficiency {comp['efficiency']:g} "
+        f"({comp['efficiency_origin']}) = {comp['step_time_s'] * 1e3:,.2f} ms"
+    )
+    console.print(f"[dim]{res['method']}[/]")
+
+
 def _fit_cell(row: dict) -> str:
     if row["fits"]:
         return f"[green]✓ {1 - row['memory']['total'] / row['capacity']:.0%}[/]"

@@ -36,8 +36,15 @@ class Roofline(TorchDispatchMode):
         out = func(*args, **kwargs)
         packet = func._overloadpacket
         flops = self.registry[packet](*args, **kwargs, out_val=out) if packet in self.registry else 0
-        moved = 0 if func.is_view else sum(
-            t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor))
+        moved = (
+            0
+            if func.is_view
+            else sum(
+                t.numel() * t.element_size()
+                for t in tree_flatten((args, kwargs, out))[0]
+                if isinstance(t, torch.Tensor)
+            )
+        )
         self.flops += flops
         self.bytes += moved
         self.seconds += max(flops / self.peak, moved / self.bandwidth)
@@ -105,13 +112,22 @@ def spec_factory(spec, batch: int, seq: int):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     if spec.family not in ("llama", "mistral", "qwen2", "custom") or not spec.gated or spec.linear_bias:
-        raise GpuwiseError(f"traced planning builds Llama-style models; {spec.name} is {spec.family}: "
-                           "use the analytic planner, or --module with your own factory")
+        raise GpuwiseError(
+            f"traced planning builds Llama-style models; {spec.name} is {spec.family}: "
+            "use the analytic planner, or --module with your own factory"
+        )
     config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if spec.qkv_bias else (LlamaConfig, LlamaForCausalLM)
-    config = config_cls(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
-                        num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
-                        num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, tie_word_embeddings=spec.tied,
-                        max_position_embeddings=max(seq, 16))
+    config = config_cls(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.ffn,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        tie_word_embeddings=spec.tied,
+        max_position_embeddings=max(seq, 16),
+    )
     # Eager attention: its QK^T and AV are plain matmuls that the FLOP formulas see; a fused SDPA kernel
     # on the CPU has no formula registered and would count as zero.
     config._attn_implementation = "eager"
@@ -151,8 +167,12 @@ def trace(name: str, build, acc: Accelerator, precision: str) -> Traced:
             step()
     snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
     by = {str(k).split(".")[-1]: v for k, v in snap.items()}
-    memory = {"weights": by.get("PARAM", 0) + by.get("BUFFER", 0), "gradients": by.get("GRAD", 0),
-              "optimizer": by.get("OPT", 0), "activations": by.get("ACT", 0) + by.get("TEMP", 0) + by.get("OTH", 0)}
+    memory = {
+        "weights": by.get("PARAM", 0) + by.get("BUFFER", 0),
+        "gradients": by.get("GRAD", 0),
+        "optimizer": by.get("OPT", 0),
+        "activations": by.get("ACT", 0) + by.get("TEMP", 0) + by.get("OTH", 0),
+    }
     tensors = by.get("Total", sum(memory.values()))
     memory["overhead"] = OVERHEAD_BYTES.value + ALLOCATOR_SLACK.value * tensors
     memory["total"] = tensors + memory["overhead"]
@@ -163,11 +183,22 @@ def traced_plan(name: str, build, acc: Accelerator, precision: str, efficiency: 
     t = trace(name, build, acc, precision)
     eff, origin = (efficiency, "--efficiency") if efficiency else (EFFICIENCY.value, EFFICIENCY.origin)
     return {
-        "traced": True, "model": {"name": name}, "gpu": acc.slug, "gpus": 1, "precision": precision,
-        "memory": {k: int(v) for k, v in t.memory.items()}, "capacity": acc.mem_bytes,
+        "traced": True,
+        "model": {"name": name},
+        "gpu": acc.slug,
+        "gpus": 1,
+        "precision": precision,
+        "memory": {k: int(v) for k, v in t.memory.items()},
+        "capacity": acc.mem_bytes,
         "fits": t.memory["total"] <= acc.mem_bytes,
-        "compute": {"flops_per_step": t.flops, "bytes_per_step": t.bytes_moved, "roofline_s": t.roofline_s,
-                    "efficiency": eff, "efficiency_origin": origin, "step_time_s": t.roofline_s / eff},
+        "compute": {
+            "flops_per_step": t.flops,
+            "bytes_per_step": t.bytes_moved,
+            "roofline_s": t.roofline_s,
+            "efficiency": eff,
+            "efficiency_origin": origin,
+            "step_time_s": t.roofline_s / eff,
+        },
         "method": "one training step on fake tensors: torch MemTracker (peak by category), FlopCounter "
-                  "formulas per op, roofline max(FLOPs/peak, bytes/bandwidth) per op / efficiency",
+        "formulas per op, roofline max(FLOPs/peak, bytes/bandwidth) per op / efficiency",
     }

@@ -84,8 +84,9 @@ def calibration(device: str, key: str, path: Path | None = None) -> tuple[float,
     if not target.exists():
         return None
     with closing(connect(target)) as con:
-        row = con.execute("SELECT fraction, record_id, updated FROM calibration WHERE device = ? AND key = ?",
-                          (device, key)).fetchone()
+        row = con.execute(
+            "SELECT fraction, record_id, updated FROM calibration WHERE device = ? AND key = ?", (device, key)
+        ).fetchone()
     if row is None:
         return None
     return row[0], f"measured by gpuwise bench on {device} ({key}, record #{row[1]}, {row[2]})"
@@ -132,7 +133,10 @@ def calibration_map(path: Path | None = None) -> dict[tuple[str, str], tuple[flo
     with closing(connect(target)) as con:
         found = con.execute("SELECT device, key, fraction, record_id, updated FROM calibration").fetchall()
     return {
-        (device.split(":", 1)[1], key): (fraction, f"measured by gpuwise bench on {device} ({key}, record #{rid}, {when})")
+        (device.split(":", 1)[1], key): (
+            fraction,
+            f"measured by gpuwise bench on {device} ({key}, record #{rid}, {when})",
+        )
         for device, key, fraction, rid, when in found
         if device.startswith("cuda:")
     }
