@@ -73,3 +73,17 @@ def test_traced_refusals_are_one_line(capsys, argv, needle):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("workload", ["defects", "recommender", "product-lm"])
+def test_traced_matches_an_independent_measurement(workload):
+    # Issue #4: traced peak memory against the profiler's memory timeline of a real step (its own
+    # allocation events, not MemTracker) within 5 %; traced FLOPs against a real step's count within 2 %.
+    from gpuwise.plan.traced import workload_factory
+    from gpuwise.train.measure import measured_step
+
+    plan = traced_plan(workload, workload_factory(workload), load_catalog().get("l4"), "fp32", None)
+    traced_bytes = plan["memory"]["total"] - plan["memory"]["overhead"]  # tensors, as the profiler sees them
+    real_bytes, real_flops = measured_step(workload)
+    assert traced_bytes == pytest.approx(real_bytes, rel=0.05)
+    assert plan["compute"]["flops_per_step"] == pytest.approx(real_flops, rel=0.02, abs=1)

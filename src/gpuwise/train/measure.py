@@ -128,3 +128,41 @@ class PeakMemory:
         if self.method is None:
             return None
         return max(0, self._status("VmHWM") - self.base) + self.resident
+
+
+def measured_step(workload: str) -> tuple[float, float]:
+    """Peak tensor memory and FLOPs of one real training step of a workload's model (bench sizes), after a
+    first step that creates the optimizer states. Memory: the profiler's memory timeline, which rebuilds
+    every allocation from the profiler's own events: an independent check on the traced planner."""
+    import json
+    import tempfile
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from gpuwise.bench.macro import WORKLOADS
+
+    torch.manual_seed(0)
+    model, loss_fn, _, _ = WORKLOADS[workload](torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        loss_fn().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "timeline.json"
+        with warnings.catch_warnings():
+            # Deprecated in favour of torch.cuda.memory's snapshots, which have no CPU counterpart.
+            warnings.simplefilter("ignore", FutureWarning)
+            prof.export_memory_timeline(str(path), device="cpu")
+        _, sizes = json.loads(path.read_text())
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    return float(max(sum(s) for s in sizes)), float(counter.get_total_flops())
