@@ -68,6 +68,9 @@ def test_traced_plans_your_own_module(capsys, tmp_path, monkeypatch):
     (["plan", "--model", "llama-2-7b", "--workload", "defects"], "exactly one of --model, --workload or --module"),
     (["plan"], "exactly one of --model, --workload or --module"),
     (["plan", "--workload", "defects", "--gpu", "l4"], "use --task finetune or pretrain"),
+    (["plan", "--workload", "defects", "--gpu", "l4", "--task", "finetune", "--gpus", "8"], "plans one GPU"),
+    (["plan", "--model", "llama-2-7b", "--traced", "--gpu", "l4", "--task", "finetune", "--checkpointing", "full"],
+     "without recompute"),
 ])
 def test_traced_refusals_are_one_line(capsys, argv, needle):
     assert main(argv) == 2

@@ -247,6 +247,10 @@ def _traced(model, workload, module, req, cat, as_json: bool) -> None:
         raise GpuwiseError("--traced plans one accelerator: add --gpu SLUG (see `gpuwise hardware`)")
     if req.task not in ("pretrain", "finetune"):
         raise GpuwiseError("--traced plans a full training step: use --task finetune or pretrain")
+    if (req.gpus or 1) > 1 or req.tp or req.pp or req.zero:
+        raise GpuwiseError("--traced plans one GPU (sharded tracing is not built yet); plan layouts without --traced")
+    if req.checkpointing not in (None, "none") or req.optimizer not in (None, "adamw"):
+        raise GpuwiseError("--traced runs a plain AdamW step without recompute: drop --checkpointing/--optimizer")
     acc = cat.get(req.gpu)
     if workload:
         name, build = workload, traced.workload_factory(workload)
