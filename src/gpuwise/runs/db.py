@@ -47,14 +47,23 @@ def default_path() -> Path:
 
 def connect(path: Path | None = None) -> sqlite3.Connection:
     path = Path(path) if path else default_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        con = sqlite3.connect(path, timeout=30)
-        con.execute("PRAGMA journal_mode=WAL")
-        con.executescript(SCHEMA)
-    except (OSError, sqlite3.DatabaseError) as e:
-        raise GpuwiseError(f"cannot open the run record {path}: {e}") from None
-    return con
+    # Two processes creating the file at once race on switching it to WAL, and that switch does not wait
+    # on SQLite's busy timeout: retry it for a while (WAL then persists in the file, later opens skip it).
+    for attempt in range(60):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            con = sqlite3.connect(path, timeout=30)
+            if con.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                con.execute("PRAGMA journal_mode=WAL")
+            con.executescript(SCHEMA)
+            return con
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) and "busy" not in str(e):
+                raise GpuwiseError(f"cannot open the run record {path}: {e}") from None
+            time.sleep(min(0.5, 0.02 * (attempt + 1)))
+        except (OSError, sqlite3.DatabaseError) as e:
+            raise GpuwiseError(f"cannot open the run record {path}: {e}") from None
+    raise GpuwiseError(f"cannot open the run record {path}: still locked after retries")
 
 
 def now() -> str:
