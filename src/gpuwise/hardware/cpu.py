@@ -124,13 +124,21 @@ def _clock(info: dict[str, str]) -> tuple[float | None, str]:
         return None, "clock not reported"
 
 
-def _ram_bytes() -> int:
+def meminfo(key: str) -> int | None:
+    """A /proc/meminfo field in bytes (MemTotal, MemAvailable, ...), or None off Linux."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def _ram_bytes() -> int:
+    total = meminfo("MemTotal")
+    if total is not None:
+        return total
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

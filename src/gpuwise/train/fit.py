@@ -5,7 +5,6 @@ never change: only how the batch is cut into micro-batches, which gradient accum
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
@@ -35,13 +34,9 @@ def available_bytes(accelerator: str, device_index: int = 0) -> int | None:
     if accelerator == "cuda":
         free, _ = torch.cuda.mem_get_info(device_index)
         return int(free)
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    from gpuwise.hardware.cpu import meminfo
+
+    return meminfo("MemAvailable")
 
 
 def largest_fitting(share: int, estimate, budget: int | None) -> int:

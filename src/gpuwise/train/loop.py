@@ -201,7 +201,7 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
     progress = _progress(console, total, step) if fabric.is_global_zero and console else None
     times, loss_value, t_run = [], float("nan"), time.perf_counter()
     before = None
-    if work.info.get("eval_before") and step == 0:
+    if work.eval_before and step == 0:
         before = work.evaluate(model, fabric.device)
         rec.log(0, **{f"eval/{k}": v for k, v in _scalars(before).items()})
     try:

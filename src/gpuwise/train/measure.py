@@ -45,14 +45,19 @@ def state_bytes(model, optimizer_state_per_param: int = 8) -> int:
     return total
 
 
+def _cuda_row(device_index: int):
+    """(torch's name for the GPU, its catalog row or None)."""
+    from gpuwise.hardware.catalog import load_catalog, match_device
+
+    name = torch.cuda.get_device_name(device_index)
+    return name, match_device(load_catalog(), name)
+
+
 def peak_flops(accelerator: str, precision: str, device_index: int = 0) -> tuple[float | None, str]:
     """Dense peak FLOP/s of one device at the training precision, and where the figure comes from."""
     low = precision.startswith(("bf16", "16"))
     if accelerator == "cuda":
-        from gpuwise.hardware.catalog import load_catalog, match_device
-
-        name = torch.cuda.get_device_name(device_index)
-        acc = match_device(load_catalog(), name)
+        name, acc = _cuda_row(device_index)
         if acc is None:
             return None, f"{name} is not in the catalog"
         tflops = (acc.bf16_tflops if precision.startswith("bf16") else acc.fp16_tflops) if low else acc.fp32_tflops
@@ -69,10 +74,7 @@ def peak_flops(accelerator: str, precision: str, device_index: int = 0) -> tuple
 def device_key(accelerator: str, device_index: int = 0) -> str:
     """How the run record names this device: cpu:<model> or cuda:<catalog slug>."""
     if accelerator == "cuda":
-        from gpuwise.hardware.catalog import load_catalog, match_device
-
-        name = torch.cuda.get_device_name(device_index)
-        acc = match_device(load_catalog(), name)
+        name, acc = _cuda_row(device_index)
         return f"cuda:{acc.slug if acc else name}"
     if accelerator == "cpu":
         from gpuwise.hardware.cpu import detect_cpu

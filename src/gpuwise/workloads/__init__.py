@@ -24,6 +24,7 @@ class Workload:
     tokens_per_sample: int | None = None
     model_spec: Any = None  # a plan.model.ModelSpec when the analytic planner applies
     info: dict = field(default_factory=dict)  # what the summary should say about data and model
+    eval_before: bool = False  # also evaluate before the first step (the "before" of a fine-tune)
 
 
 def build(cfg, run_dir: Path) -> Workload:

@@ -292,7 +292,6 @@ def build(cfg, run_dir: Path) -> Workload:
         "trainable_params": trainable,
         "total_params": total,
         "trainable_share": trainable / total,
-        "eval_before": True,
     }
     return Workload(
         "product-lm",
@@ -307,6 +306,7 @@ def build(cfg, run_dir: Path) -> Workload:
         tokens_per_sample=cfg.block_size,
         model_spec=spec,
         info=info,
+        eval_before=True,
     )
 
 
