@@ -53,8 +53,8 @@ def small_run(cells, run_dir, **overrides) -> dict:
     return train(TrainConfig(**cfg))
 
 
-def weights(run_dir: Path) -> dict:
-    return load_file(str(run_dir / "model.safetensors"))
+def weights(run_dir: Path, file: str = "model.safetensors") -> dict:
+    return load_file(str(run_dir / file))
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -62,13 +62,13 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-def assert_same_training(run_a: Path, run_b: Path) -> None:
+def assert_same_training(run_a: Path, run_b: Path, file: str = "model.safetensors") -> None:
     """Same math, other float summation order. Tolerances: the loss trajectories to 1e-4 relative; the
     weights to 1e-3 of the whole model's norm, because Adam divides by sqrt(v): a near-zero gradient
     whose float noise flips sign moves its weight by +-lr, which no element-wise check survives, and
     the next steps' losses inherit a little of it (seen here: 4e-5 relative by step 6)."""
     torch.testing.assert_close(torch.tensor(losses(run_b)), torch.tensor(losses(run_a)), rtol=1e-4, atol=1e-5)
-    a, b = weights(run_a), weights(run_b)
+    a, b = weights(run_a, file), weights(run_b, file)
     assert a.keys() == b.keys()
     diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
     norm = sum(float(a[k].norm() ** 2) for k in a) ** 0.5
@@ -118,33 +118,65 @@ def test_corrupt_newest_checkpoint_falls_back_with_one_line(cells, tmp_path):
     assert all(torch.equal(reference[k], b[k]) for k in reference)
 
 
+def torchrun(args: list[str], port: int) -> None:
+    """gpuwise under torchrun with 2 CPU processes (gloo), as a user would launch it."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([*launcher, "-m", "gpuwise", *args], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_two_processes_give_the_same_weights_as_one(cells, tmp_path):
     common = ("--max-steps", "6", "--accelerator", "cpu")
     one = run_cli(defects_args(cells, tmp_path / "one", *common))
     assert one.returncode == 0, one.stderr
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    two = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            "29517",
-            "-m",
-            "gpuwise",
-            *defects_args(cells, tmp_path / "two", *common, "--devices", "2"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    assert two.returncode == 0, two.stderr[-3000:]
+    torchrun(defects_args(cells, tmp_path / "two", *common, "--devices", "2"), 29517)
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["device"] == "cpu x 2" and summary["strategy"] == "ddp"
     assert_same_training(tmp_path / "one", tmp_path / "two")  # gloo sums in another order
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_processes_matches_one_and_resumes_from_its_shards(cells, tmp_path):
+    common = ("--max-steps", "6", "--checkpoint-every", "2", "--accelerator", "cpu")
+    one = run_cli(defects_args(cells, tmp_path / "one", *common))
+    assert one.returncode == 0, one.stderr
+    sharded = tmp_path / "fsdp"
+    torchrun(defects_args(cells, sharded, *common, "--devices", "2", "--strategy", "fsdp"), 29518)
+    assert json.loads((sharded / "summary.json").read_text())["strategy"] == "fsdp"
+    assert_same_training(tmp_path / "one", sharded)  # the saved model is whole, gathered from the shards
+    assert (sharded / "checkpoints" / "step-000004" / "state.ckpt").is_dir()  # each process wrote its part
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(sharded, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-000006")
+    (resumed / "model.safetensors").unlink()
+    (resumed / "summary.json").unlink()
+    torchrun(["train", "--resume", str(resumed)], 29519)
+    a, b = weights(sharded), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # steps 5-6 redone from step 4's shards: bitwise
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "workload, data, saved",
+    [
+        # decoder layers sharded one by one (transformers' _no_split_modules), LoRA beside frozen weights
+        ("product-lm", ("--method", "lora", "--block-size", "32"), "adapter/adapter_model.safetensors"),
+        # embeddings read outside forward (scoring every item) through whole_params
+        ("recommender", (), "model.safetensors"),
+    ],
+)
+def test_fsdp_shards_other_models_alike(workload, data, saved, tmp_path):
+    from train_data import interactions_csv, reviews_jsonl
+
+    source = reviews_jsonl(tmp_path / "r.jsonl") if workload == "product-lm" else interactions_csv(tmp_path / "i.csv")
+    common = [workload, "--data", str(source), "--batch-size", "8", "--max-steps", "3", "--accelerator", "cpu", *data]
+    one = run_cli(["train", *common, "--run-dir", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr
+    torchrun(["train", *common, "--run-dir", str(tmp_path / "two"), "--devices", "2", "--strategy", "fsdp"], 29520)
+    assert_same_training(tmp_path / "one", tmp_path / "two", saved)
 
 
 def test_injected_oom_keeps_the_loss_trajectory(cells, tmp_path, monkeypatch):

@@ -77,6 +77,8 @@ class TrainConfig:
             raise GpuwiseError("--method lora/qlora applies to product-lm only")
         if self.merge and self.method == "full":
             raise GpuwiseError("--merge folds a LoRA/QLoRA adapter into its base: it needs --method lora or qlora")
+        if self.strategy == "fsdp" and self.method == "qlora":
+            raise GpuwiseError("--strategy fsdp cannot shard qlora's 4-bit base weights; use ddp, or --method lora")
         if self.init_from and self.workload != "recommender":
             raise GpuwiseError("--init-from (warm start from last week's run) applies to recommender only")
         if self.data and not Path(self.data).exists():

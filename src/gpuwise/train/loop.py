@@ -10,6 +10,7 @@ masks would differ between 1 and N processes; resume restores the RNG, so it sta
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import signal
@@ -130,9 +131,14 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
     ckpt_every = cfg.checkpoint_every or max(1, total // 10)
 
     model = work.model
+    # FSDP shards the model in place, yet the saved model must be whole: rank 0 keeps an unsharded
+    # twin (one more copy in host memory) to load the gathered weights into at the end.
+    twin = copy.deepcopy(model) if strategy == "fsdp" and fabric.is_global_zero else None
+    # The optimizer is made after setup, because FSDP replaces the parameters by their shards.
+    model = fabric.setup_module(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=work.defaults.get("weight_decay", 0.01))
-    model, optimizer = fabric.setup(model, optimizer)
+    optimizer = fabric.setup_optimizers(optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total))
 
     def micro_losses(step: int, micro: int) -> float:
@@ -285,6 +291,13 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
 
     # --- evaluate, save, summarize -------------------------------------------------------------
     evaluation = work.evaluate(model, fabric.device)
+    if strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        whole = get_model_state_dict(raw, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if twin is not None:
+            twin.load_state_dict(whole)
+            raw = twin
     files = work.save(raw, run_dir) if fabric.is_global_zero else []
     fabric.barrier()
     steady = times[1:] or times  # the first step pays for warm-up

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +44,8 @@ def quiet_transformers() -> None:
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+    # peft (0.x) still probes the old attribute name; the warning is theirs to act on, not the user's.
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 def load_texts(path: str | None, seed: int = 0) -> tuple[list[str], list[str], str]:
@@ -126,9 +130,19 @@ def load_base(cfg, tok, run_dir: Path):
             return model
         # An adapter needs its base on disk (to reload it), and 4-bit quantization goes through
         # from_pretrained: save the fresh base once, then load it like any other.
-        source = str(run_dir / "base")
-        model.save_pretrained(source)
-        tok.save_pretrained(source)
+        # Under torchrun the first process writes it (to a temp name, then renamed: a crash leaves
+        # no half-written base) and the others wait; transformers saves from that process only anyway.
+        source = run_dir / "base"
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not source.exists() and (not distributed or torch.distributed.get_rank() == 0):
+            tmp = run_dir / ".base-tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            os.rename(tmp, source)
+        if distributed:
+            torch.distributed.barrier()
+        source = str(source)
     kwargs = {}
     if cfg.method == "qlora":
         compute = torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32

@@ -149,8 +149,11 @@ def build(cfg, run_dir: Path) -> Workload:
     @torch.no_grad()
     def evaluate(model, device):
         model.eval()
+        from gpuwise.train.engine import whole_params
+
         raw = model.module if hasattr(model, "module") else model
-        out = score_users(lambda us: raw.all_scores(torch.tensor(us, device=device)).float().cpu())
+        with whole_params(raw):
+            out = score_users(lambda us: raw.all_scores(torch.tensor(us, device=device)).float().cpu())
         model.train()
         return out
 
