@@ -86,7 +86,10 @@ def bench(
     if result["record_id"] is not None:
         for r in result["devices"].values():  # what plan and train use for this device from now on
             fractions = {f"matmul.{k}": m["fraction_of_peak"] for k, m in r["matmul"].items()}
-            fractions |= {f"workload.{k}": w["fraction_of_peak"] for k, w in r["workloads"].items()}
+            fractions |= {f"workload.{k}": w["fraction_of_peak"] for k, w in r["workloads"].items() if w["tflops"]}
+            # A step torch counts no FLOPs in (embedding lookups) is timed per sample and per parameter.
+            for k, w in r["workloads"].items():
+                fractions |= {f"workload.{k}.{u}": w[u] for u in ("s_per_sample", "s_per_param") if u in w}
             rundb.calibrate(r["key"], fractions, result["record_id"])
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     if as_json:

@@ -92,7 +92,14 @@ def measure_device(device: torch.device, catalog: Catalog, size: str, progress=l
         out["host_device"] = hd | {"fraction_of_peak": _share(hd["h2d_gbs"], link), "peak_origin": origin}
     for name in macro.WORKLOADS:
         progress(f"{device}: {name} training step")
-        w = macro.throughput(name, device, steps)
+        w = macro.throughput(name, device, steps, min_time)
+        if not w["flops_per_step"]:
+            # No FLOPs to scale by (embedding lookups): a second, 4x larger batch splits the step into a
+            # part per step (dense embedding gradients, clipping, AdamW over every row: per parameter)
+            # and a part per sample, so a plan for another batch size or catalogue size holds.
+            large = macro.throughput(name, device, steps, min_time, batch=w["batch"] * 4)
+            slope = max(0.0, (large["step_s"] - w["step_s"]) / (large["batch"] - w["batch"]))
+            w |= {"s_per_sample": slope, "s_per_param": (w["step_s"] - slope * w["batch"]) / w["params"]}
         key = "bf16_tflops" if w["precision"] == "bf16-mixed" else "fp32_tflops"
         out["workloads"][name] = w | {"fraction_of_peak": _share(w["tflops"], peak.get(key)) if w["tflops"] else None}
     return out

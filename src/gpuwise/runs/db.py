@@ -88,7 +88,8 @@ def calibrate(device: str, fractions: dict[str, float], record_id: int, path: Pa
 
 
 def calibration(device: str, key: str, path: Path | None = None) -> tuple[float, str] | None:
-    """(fraction, origin) measured by gpuwise bench for this device, or None."""
+    """(value, origin) measured by gpuwise bench for this device, or None. The value is a fraction of
+    peak, except under keys ending in `.s_per_sample` (seconds per sample of a workload's step)."""
     target = Path(path) if path else default_path()
     if not target.exists():
         return None

@@ -198,6 +198,19 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
         "method": "model states + activations saved for backward, counted on one micro-batch; "
         "time = FLOPs / (peak x efficiency)",
     }
+    trainable = sum(p.numel() for p in raw.parameters() if p.requires_grad)
+    timed = None if flops_per_step else measure.timed_step(device_key, cfg.workload, share, trainable)
+    if timed:
+        plan |= {"step_time_s": timed[0], "efficiency": None, "efficiency_origin": None}
+        plan["method"] = plan["method"].replace(
+            "FLOPs / (peak x efficiency)", f"s/sample x samples + s/parameter x parameters ({timed[1]})"
+        )
+    if plan["step_time_s"]:  # the loop also prepares each batch: timed here on one, not estimated
+        t_data = time.perf_counter()
+        work.make_batch(list(range(share)), 0)
+        plan["data_s"] = time.perf_counter() - t_data
+        plan["step_time_s"] += plan["data_s"]
+        plan["method"] += " + data preparation timed on one batch"
     if work.model_spec is not None:
         plan |= analytic_plan(work, cfg, micro, precision)
 

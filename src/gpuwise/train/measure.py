@@ -91,6 +91,19 @@ def step_efficiency(device: str, workload: str) -> tuple[float, str]:
     return found or (EFFICIENCY.value, EFFICIENCY.origin)
 
 
+def timed_step(device: str, workload: str, samples: int, params: int) -> tuple[float, str] | None:
+    """Seconds per step from what `gpuwise bench` timed on this device, a part per sample and a part
+    per trainable parameter: the time model for a step torch counts no FLOPs in (the recommender's
+    embedding lookups and dot products). None before bench has run here."""
+    from gpuwise.runs.db import calibration
+
+    per_sample = calibration(device, f"workload.{workload}.s_per_sample")
+    per_param = calibration(device, f"workload.{workload}.s_per_param")
+    if not (per_sample and per_param):
+        return None
+    return per_sample[0] * samples + per_param[0] * params, per_sample[1].replace(".s_per_sample", "")
+
+
 def planned_step_time(flops_per_step: float, peak: float | None, processes: int, efficiency: float) -> float | None:
     return flops_per_step / (peak * efficiency * processes) if peak else None
 

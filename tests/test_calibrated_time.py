@@ -1,0 +1,56 @@
+"""Issue #4: once `gpuwise bench` has calibrated this CPU, `gpuwise train`'s planned step time is
+within 25 % of the step time it then measures, for each workload, on its real data and at another
+batch size than the one bench timed.
+
+Bench times each workload's step on synthetic inputs at a fixed size; the plan scales that by the
+run's counted FLOPs (defects, product-lm) or, where torch counts none, by samples and parameters
+(recommender). What the plan cannot know (the loop itself, Fabric, data preparation beyond one timed
+batch) is what the 25 % must cover.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TOLERANCE = 0.25
+
+RUNS = {
+    "defects": ["--batch-size", "16", "--max-steps", "10"],  # bench: 32 images
+    # bench: 1024 pairs. At 4096 the step is ~6 ms; at 1024 (~3 ms) this VM's step time moves by
+    # +-40 % from one process to the next (2.4 to 4.8 ms measured for one config), noise no plan beats.
+    "recommender": ["--batch-size", "4096", "--max-steps", "30"],
+    "product-lm": ["--batch-size", "4", "--max-steps", "6"],  # bench: 8 blocks of 128 tokens
+}
+
+
+def gpuwise(*args: str) -> dict:
+    # One thread per process: on this 2-vCPU VM a 2-thread step waits on whichever vCPU the host is
+    # stealing, which moves step times by up to 40 % between processes; one thread moves them by ~2 %.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "gpuwise", *args, "--json"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory, request):
+    # One bench for the three runs; the record is this module's own (GPUWISE_DB set per test too).
+    record = tmp_path_factory.mktemp("record") / "runs.sqlite"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("GPUWISE_DB", str(record))
+    gpuwise("bench", "--device", "cpu", "--quick", "--out", str(tmp_path_factory.mktemp("bench")))
+    yield record
+    mp.undo()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", list(RUNS))
+def test_calibrated_step_time_within_25_percent(workload, calibrated, tmp_path, monkeypatch):
+    monkeypatch.setenv("GPUWISE_DB", str(calibrated))
+    summary = gpuwise("train", workload, *RUNS[workload], "--run-dir", str(tmp_path / "run"))
+    plan, actual = summary["plan"]["step_time_s"], summary["actual"]["step_time_s"]
+    assert "gpuwise bench" in (summary["plan"]["efficiency_origin"] or summary["plan"]["method"])
+    assert plan == pytest.approx(actual, rel=TOLERANCE), (plan, actual)
