@@ -247,8 +247,8 @@ def _traced(model, workload, module, req, cat, as_json: bool) -> None:
         raise GpuwiseError("--traced plans one accelerator: add --gpu SLUG (see `gpuwise hardware`)")
     if req.task not in ("pretrain", "finetune"):
         raise GpuwiseError("--traced plans a full training step: use --task finetune or pretrain")
-    if (req.gpus or 1) > 1 or req.tp or req.pp or req.zero:
-        raise GpuwiseError("--traced plans one GPU (sharded tracing is not built yet); plan layouts without --traced")
+    if req.tp or req.pp or req.zero not in (None, 3):
+        raise GpuwiseError("--traced plans one GPU or FSDP over --gpus N (ZeRO-3); plan TP/PP layouts without --traced")
     if req.checkpointing not in (None, "none") or req.optimizer not in (None, "adamw"):
         raise GpuwiseError("--traced runs a plain AdamW step without recompute: drop --checkpointing/--optimizer")
     acc = cat.get(req.gpu)
@@ -261,7 +261,7 @@ def _traced(model, workload, module, req, cat, as_json: bool) -> None:
 
         spec = resolve_model(model)
         name, build = spec.name, traced.spec_factory(spec, req.batch, req.seq)
-    result = traced.traced_plan(name, build, acc, req.precision, req.efficiency)
+    result = traced.traced_plan(name, build, acc, req.precision, req.efficiency, shards=req.gpus or 1)
     result["record_id"] = rundb.try_record("plan", acc.slug, name, result)
     if as_json:
         _emit(result)

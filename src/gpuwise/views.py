@@ -200,9 +200,9 @@ def render_plan(console: Console, res: dict, sweep: bool) -> None:
 
 def render_traced(console: Console, res: dict) -> None:
     mem, comp = res["memory"], res["compute"]
+    where = f"per GPU of {res['gpus']} x {res['gpu']} (FSDP)" if res["gpus"] > 1 else f"1 x {res['gpu']}"
     console.print(
-        f"[bold]{res['model']['name']}[/], traced on fake tensors · one training step · "
-        f"{res['precision']} · 1 x {res['gpu']}"
+        f"[bold]{res['model']['name']}[/], traced on fake tensors · one training step · {res['precision']} · {where}"
     )
     t = Table(box=box.SIMPLE, pad_edge=False, show_header=False)
     t.add_column("part")

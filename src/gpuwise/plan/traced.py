@@ -8,6 +8,7 @@ under torch's MemTracker (peak memory by category), FlopCounterMode (FLOPs) and 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass
 
@@ -140,17 +141,61 @@ def spec_factory(spec, batch: int, seq: int):
     return build
 
 
-def trace(name: str, build, acc: Accelerator, precision: str) -> Traced:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
+@contextlib.contextmanager
+def fake_process_group(world: int):
+    """Rank 0 of `world` processes that do not exist: torch's fake backend answers every collective
+    at once, so FSDP2 shards and FSDPMemTracker counts what one GPU of `world` would hold."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    if dist.is_initialized():
+        raise GpuwiseError("sharded tracing starts its own (fake) process group: run it outside torchrun")
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        yield init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+    finally:
+        dist.destroy_process_group()
+
+
+def _by_category(snap: dict) -> dict:
+    """MemTracker's and FSDPMemTracker's categories, in the planner's parts."""
+    by = {str(k).split(".")[-1]: v for k, v in snap.items()}
+    part = lambda *keys: sum(by.get(k, 0) for k in keys)  # noqa: E731
+    return {
+        "weights": part("PARAM", "BUFFER", "SHARDED_PARAM", "UNSHARDED_PARAM"),
+        "gradients": part("GRAD", "SHARDED_GRAD", "UNSHARDED_GRAD"),
+        "optimizer": part("OPT"),
+        # FSDP's all-gather and reduce-scatter buffers live with the activations: both scale with the step.
+        "activations": part("ACT", "TEMP", "OTH", "INP", "ALL_GATHER", "REDUCE_SCATTER"),
+        "tensors": by.get("Total", 0),
+    }
+
+
+def trace(name: str, build, acc: Accelerator, precision: str, shards: int = 1) -> Traced:
     peak = acc.peak_tflops(precision)
     if not peak:
         raise GpuwiseError(f"no dense {precision} peak for {acc.name} in the catalog")
+    if shards > 1:
+        with fake_process_group(shards) as mesh:
+            return _trace(name, build, acc, precision, peak, mesh)
+    return _trace(name, build, acc, precision, peak, None)
+
+
+def _trace(name: str, build, acc: Accelerator, precision: str, peak: float, mesh) -> Traced:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
     autocast = precision in ("bf16", "fp16")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     with FakeTensorMode(allow_non_fake_inputs=True):
         model, loss_fn = build()
+        if mesh is not None:
+            from gpuwise.train.engine import fully_shard_model
+
+            model = fully_shard_model(model, mesh)  # as `gpuwise train --strategy fsdp` shards it
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
         def step():
@@ -161,32 +206,29 @@ def trace(name: str, build, acc: Accelerator, precision: str) -> Traced:
             opt.zero_grad(set_to_none=True)
 
         step()  # the optimizer states now exist, as in every step after the first
-        tracker, roof = MemTracker(), Roofline(peak * 1e12, acc.mem_bw_gbs * 1e9)
-        tracker.track_external(model, opt)
+        roof = Roofline(peak * 1e12, acc.mem_bw_gbs * 1e9)
+        if mesh is None:
+            tracker = MemTracker()
+            tracker.track_external(model, opt)
+        else:
+            tracker = FSDPMemTracker(model, opt)
         with tracker, roof:
             step()
-    snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
-    by = {str(k).split(".")[-1]: v for k, v in snap.items()}
-    memory = {
-        "weights": by.get("PARAM", 0) + by.get("BUFFER", 0),
-        "gradients": by.get("GRAD", 0),
-        "optimizer": by.get("OPT", 0),
-        "activations": by.get("ACT", 0) + by.get("TEMP", 0) + by.get("OTH", 0),
-    }
-    tensors = by.get("Total", sum(memory.values()))
+    memory = _by_category(next(iter(tracker.get_tracker_snapshot("peak").values())))
+    tensors = memory.pop("tensors") or sum(memory.values())
     memory["overhead"] = OVERHEAD_BYTES.value + ALLOCATOR_SLACK.value * tensors
     memory["total"] = tensors + memory["overhead"]
     return Traced(name, memory, roof.flops, roof.bytes, roof.seconds)
 
 
-def traced_plan(name: str, build, acc: Accelerator, precision: str, efficiency: float | None) -> dict:
-    t = trace(name, build, acc, precision)
+def traced_plan(name: str, build, acc: Accelerator, precision: str, efficiency: float | None, shards: int = 1) -> dict:
+    t = trace(name, build, acc, precision, shards)
     eff, origin = (efficiency, "--efficiency") if efficiency else (EFFICIENCY.value, EFFICIENCY.origin)
     return {
         "traced": True,
         "model": {"name": name},
         "gpu": acc.slug,
-        "gpus": 1,
+        "gpus": shards,
         "precision": precision,
         "memory": {k: int(v) for k, v in t.memory.items()},
         "capacity": acc.mem_bytes,
@@ -199,6 +241,12 @@ def traced_plan(name: str, build, acc: Accelerator, precision: str, efficiency: 
             "efficiency_origin": origin,
             "step_time_s": t.roofline_s / eff,
         },
-        "method": "one training step on fake tensors: torch MemTracker (peak by category), FlopCounter "
-        "formulas per op, roofline max(FLOPs/peak, bytes/bandwidth) per op / efficiency",
+        "method": (
+            f"one training step of rank 0 of {shards} on fake tensors, FSDP2-sharded over a fake process "
+            "group: torch FSDPMemTracker (peak by category); "
+            if shards > 1
+            else "one training step on fake tensors: torch MemTracker (peak by category); "
+        )
+        + "FlopCounter formulas per op, roofline max(FLOPs/peak, bytes/bandwidth) per op / efficiency"
+        + ("; collectives' time not counted" if shards > 1 else ""),
     }
