@@ -272,8 +272,10 @@ def _traced(model, workload, module, req, cat, as_json: bool) -> None:
 
 
 import gpuwise.cli_bench  # noqa: E402,F401  (registers bench on the app)
+import gpuwise.cli_export  # noqa: E402,F401  (registers export on the app)
 import gpuwise.cli_report  # noqa: E402,F401  (registers report on the app)
 import gpuwise.cli_runs  # noqa: E402,F401  (registers runs on the app)
+import gpuwise.cli_serve  # noqa: E402,F401  (registers serve on the app)
 import gpuwise.cli_train  # noqa: E402,F401  (registers train and predict on the app)
 
 

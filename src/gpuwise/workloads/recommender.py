@@ -247,12 +247,28 @@ def warm_start(model: MatrixFactorization, prev_dir: Path, users: list[str], ite
     return counts
 
 
-def predict(run_dir: Path, cfg, inputs: list[str], k: int = 10, **_) -> list[dict]:
+class AllScores(nn.Module):
+    """users -> scores for every item: the one forward a recommender server makes (and exports)."""
+
+    def __init__(self, mf: MatrixFactorization):
+        super().__init__()
+        self.mf = mf
+
+    def forward(self, users: torch.Tensor) -> torch.Tensor:
+        return self.mf.all_scores(users)
+
+
+def load_trained(run_dir: Path) -> tuple[MatrixFactorization, dict]:
     from safetensors.torch import load_model
 
     meta = json.loads((run_dir / "ids.json").read_text())
     model = MatrixFactorization(len(meta["users"]), len(meta["items"]), meta["dim"])
     load_model(model, str(run_dir / "model.safetensors"))
+    return model.eval(), meta
+
+
+def predict(run_dir: Path, cfg, inputs: list[str], k: int = 10, **_) -> list[dict]:
+    model, meta = load_trained(run_dir)
     inter = np.load(run_dir / "train_interactions.npz")
     u_index = {u: n for n, u in enumerate(meta["users"])}
     out = []

@@ -1,0 +1,41 @@
+"""`gpuwise export`: a finished run's model as ONNX, checked against torch on real inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from gpuwise.cli import JsonOpt, _emit, app, console
+from gpuwise.errors import GpuwiseError
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+@app.command(epilog="Example: gpuwise export runs/defects-20261130-101500 --format onnx")
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A finished defects or recommender run.")],
+    fmt: Annotated[str, typer.Option("--format", help="onnx (the only one): writes RUN_DIR/model.onnx.")] = "onnx",
+    as_json: JsonOpt = False,
+):
+    """Write the trained model as ONNX (dynamic batch), then run onnxruntime and torch on the same
+    real inputs and report their largest difference. product-lm serves through torch."""
+    from gpuwise.serve.export import compare_with_torch, export_onnx
+
+    if fmt != "onnx":
+        raise GpuwiseError(f"--format {fmt}: only onnx is supported (defects and recommender runs)")
+    path = export_onnx(run_dir)
+    check = compare_with_torch(run_dir, path)
+    result = {"path": str(path), "bytes": path.stat().st_size, **check}
+    if as_json:
+        _emit(result)
+        return
+    console.print(
+        f"wrote {path} ({_size(result['bytes'])}); onnxruntime vs torch on {check['inputs']} inputs "
+        f"({check['inputs_from']}): max |diff| {check['max_abs_diff']:.1e}",
+        markup=False,
+        soft_wrap=True,
+    )

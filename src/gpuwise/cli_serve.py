@@ -1,0 +1,78 @@
+"""`gpuwise serve`: a finished run behind an HTTP API."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from gpuwise.cli import app, console
+from gpuwise.errors import GpuwiseError
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """uvicorn logs a failed bind and exits; one line here instead."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise GpuwiseError(f"cannot listen on {host}:{port} ({e.strerror})") from None
+
+
+@app.command()
+def serve(
+    run_dir: Annotated[Path, typer.Argument(help="A finished `gpuwise train` run.")],
+    host: Annotated[str, typer.Option(help="Address to bind; anything but loopback needs an API key.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    max_batch: Annotated[int, typer.Option(min=1, help="Items per forward pass at most (1: no batching).")] = 32,
+    max_wait_ms: Annotated[float, typer.Option(min=0, help="How long a pass waits for more items.")] = 5.0,
+    runtime: Annotated[str, typer.Option(help="torch, or onnx (after `gpuwise export`).")] = "torch",
+    api_key: Annotated[
+        Optional[str], typer.Option(envvar="GPUWISE_API_KEY", help="Required on every request when set.")
+    ] = None,
+    timeout: Annotated[float, typer.Option(min=0.001, help="Seconds a request may take.")] = 30.0,
+    max_body_mb: Annotated[float, typer.Option(min=0.001, help="Largest request body.")] = 16.0,
+    max_k: Annotated[int, typer.Option(min=1, help="recommender: largest k.")] = 100,
+    max_tokens: Annotated[int, typer.Option(min=1, help="product-lm: largest max_tokens.")] = 512,
+    grace: Annotated[float, typer.Option(min=0, help="Seconds in-flight requests get after SIGTERM.")] = 30.0,
+):
+    """Serve a trained run over HTTP: /v1/predict (defects), /v1/recommend (recommender) or
+    /v1/generate (product-lm), with /health, /v1/info, /metrics and the OpenAPI docs at /docs."""
+    import uvicorn
+
+    from gpuwise.serve.app import Settings, create_app
+    from gpuwise.serve.models import Limits, load_served
+
+    if runtime not in ("torch", "onnx"):
+        raise GpuwiseError(f"--runtime {runtime}: choose torch or onnx")
+    if not is_loopback(host) and not api_key:
+        raise GpuwiseError(f"--host {host} exposes the model beyond this machine: set --api-key or GPUWISE_API_KEY")
+    if not run_dir.is_dir():
+        raise GpuwiseError(f"{run_dir}: no such run directory")
+    _check_port_free(host, port)
+    limits = Limits(max_body_bytes=int(max_body_mb * 2**20), max_k=max_k, max_tokens=max_tokens, timeout_s=timeout)
+    served, _ = load_served(run_dir, runtime, limits)
+    settings = Settings(str(run_dir), runtime, max_batch, max_wait_ms, api_key, limits)
+    asgi = create_app(served, settings, run_id=run_dir.name, precision="fp32")  # served unquantized, no autocast
+    console.print(
+        f"serving {run_dir} ({served.workload}, {runtime} on {served.device}) at http://{host}:{port}"
+        f" · docs at /docs · batches of up to {max_batch}, waiting up to {max_wait_ms:g} ms"
+    )
+    # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish (up to
+    # --grace seconds), then runs the app's shutdown.
+    config = uvicorn.Config(asgi, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace)
+    uvicorn.Server(config).run()

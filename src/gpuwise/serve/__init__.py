@@ -1,0 +1,1 @@
+"""`gpuwise serve`: a trained run behind an HTTP API (FastAPI on uvicorn), with dynamic batching."""
