@@ -67,7 +67,7 @@ def compare(as_json: JsonOpt = False):
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="plan vs actual over recorded runs", title_justify="left")
-    for col in ("id", "workload", "device", "memory error", "step-time error", "step-time efficiency from"):
+    for col in ("id", "workload", "device", "memory error", "step-time error", "step time calibrated by"):
         t.add_column(col, justify="right" if "error" in col else "left")
     for r in rows:
         fmt = lambda x: "-" if x is None else f"{x:+.0%}"  # noqa: E731

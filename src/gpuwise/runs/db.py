@@ -130,7 +130,7 @@ def compare(path: Path | None = None) -> list[dict]:
             p, a = plan.get(key), actual.get(key)
             row[label] = (p - a) / a if p and a else None
             row[f"plan_{key}"], row[f"actual_{key}"] = p, a
-        row["step_time_basis"] = plan.get("efficiency_origin")
+        row["step_time_basis"] = plan.get("efficiency_origin") or plan.get("time_origin")
         out.append(row)
     return out
 

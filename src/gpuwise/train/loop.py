@@ -201,7 +201,7 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
     trainable = sum(p.numel() for p in raw.parameters() if p.requires_grad)
     timed = None if flops_per_step else measure.timed_step(device_key, cfg.workload, share, trainable)
     if timed:
-        plan |= {"step_time_s": timed[0], "efficiency": None, "efficiency_origin": None}
+        plan |= {"step_time_s": timed[0], "efficiency": None, "efficiency_origin": None, "time_origin": timed[1]}
         plan["method"] = plan["method"].replace(
             "FLOPs / (peak x efficiency)", f"s/sample x samples + s/parameter x parameters ({timed[1]})"
         )
