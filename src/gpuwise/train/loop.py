@@ -189,28 +189,12 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
     peak, peak_origin = measure.peak_flops(accelerator, precision, fabric.local_rank)
     flops_per_step = flops_per_sample * cfg.batch_size
     device_key = measure.device_key(accelerator, fabric.local_rank)
-    efficiency, efficiency_origin = measure.step_efficiency(device_key, cfg.workload)
-    plan = {
-        "peak_bytes": int(estimate(micro)),
-        "step_time_s": measure.planned_step_time(flops_per_step, peak, world, efficiency) if flops_per_step else None,
-        "efficiency": efficiency,
-        "efficiency_origin": efficiency_origin,
-        "method": "model states + activations saved for backward, counted on one micro-batch; "
-        "time = FLOPs / (peak x efficiency)",
-    }
     trainable = sum(p.numel() for p in raw.parameters() if p.requires_grad)
-    timed = None if flops_per_step else measure.timed_step(device_key, cfg.workload, share, trainable)
-    if timed:
-        plan |= {"step_time_s": timed[0], "efficiency": None, "efficiency_origin": None, "time_origin": timed[1]}
-        plan["method"] = plan["method"].replace(
-            "FLOPs / (peak x efficiency)", f"s/sample x samples + s/parameter x parameters ({timed[1]})"
-        )
-    if plan["step_time_s"]:  # the loop also prepares each batch: timed here on one, not estimated
-        t_data = time.perf_counter()
-        work.make_batch(list(range(share)), 0)
-        plan["data_s"] = time.perf_counter() - t_data
-        plan["step_time_s"] += plan["data_s"]
-        plan["method"] += " + data preparation timed on one batch"
+    prepare = lambda: work.make_batch(list(range(share)), 0)  # noqa: E731
+    plan = {"peak_bytes": int(estimate(micro))}
+    plan |= measure.step_time_plan(device_key, cfg.workload, flops_per_step, peak, world, share, trainable, prepare)
+    time_method = plan.pop("time_method")
+    plan["method"] = f"model states + activations saved for backward, counted on one micro-batch; time = {time_method}"
     if work.model_spec is not None:
         plan |= analytic_plan(work, cfg, micro, precision)
 

@@ -3,6 +3,7 @@ device's peak, and peak memory (CUDA's allocator, or the process's resident high
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -106,6 +107,32 @@ def timed_step(device: str, workload: str, samples: int, params: int) -> tuple[f
 
 def planned_step_time(flops_per_step: float, peak: float | None, processes: int, efficiency: float) -> float | None:
     return flops_per_step / (peak * efficiency * processes) if peak else None
+
+
+def step_time_plan(
+    device: str, workload: str, flops: float, peak: float | None, processes: int, samples: int, params: int, prepare
+) -> dict:
+    """The planned step time and what it rests on: counted FLOPs over the peak at the (calibrated)
+    efficiency; where torch counts no FLOPs, bench's seconds per sample and per parameter; plus the
+    time `prepare()` takes to build one batch, timed here rather than estimated."""
+    efficiency, origin = step_efficiency(device, workload)
+    plan = {
+        "step_time_s": planned_step_time(flops, peak, processes, efficiency) if flops else None,
+        "efficiency": efficiency,
+        "efficiency_origin": origin,
+        "time_method": "FLOPs / (peak x efficiency)",
+    }
+    timed = None if flops else timed_step(device, workload, samples, params)
+    if timed:
+        plan |= {"step_time_s": timed[0], "efficiency": None, "efficiency_origin": None, "time_origin": timed[1]}
+        plan["time_method"] = f"s/sample x samples + s/parameter x parameters ({timed[1]})"
+    if plan["step_time_s"]:
+        t = time.perf_counter()
+        prepare()
+        plan["data_s"] = time.perf_counter() - t
+        plan["step_time_s"] += plan["data_s"]
+        plan["time_method"] += " + data preparation timed on one batch"
+    return plan
 
 
 class PeakMemory:
