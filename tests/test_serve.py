@@ -174,6 +174,7 @@ def test_generate_plain_streamed_stop_and_limits(runs):
         assert too_long["detail"] == "max_tokens: at most 16"
         assert c.post("/v1/generate", json={"prompt": ""}).status_code == 422
         assert c.post("/v1/generate", json={"prompt": "x", "top_p": 0}).status_code == 422
+        assert c.post("/v1/generate", json={"prompt": "x", "stop": [""]}).status_code == 422
 
 
 def test_api_key_is_required_on_every_request(runs):

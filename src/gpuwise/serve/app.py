@@ -67,7 +67,7 @@ class GenerateRequest(BaseModel):
     max_tokens: int = Field(64, ge=1)
     temperature: float = Field(0.8, ge=0, le=5, description="0: greedy")
     top_p: float = Field(0.95, gt=0, le=1)
-    stop: list[str] = Field(default_factory=list, max_length=4)
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=4)
     stream: bool = Field(False, description='Server-sent events: data: {"text": ...} per piece, then data: [DONE]')
 
 
