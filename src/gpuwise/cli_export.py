@@ -23,12 +23,13 @@ def export(
 ):
     """Write the trained model as ONNX (dynamic batch), then run onnxruntime and torch on the same
     real inputs and report their largest difference. product-lm serves through torch."""
-    from gpuwise.serve.export import compare_with_torch, export_onnx
+    from gpuwise.serve.export import compare_with_torch, export_onnx, load_torch
 
     if fmt != "onnx":
         raise GpuwiseError(f"--format {fmt}: only onnx is supported (defects and recommender runs)")
-    path = export_onnx(run_dir)
-    check = compare_with_torch(run_dir, path)
+    loaded = load_torch(run_dir)  # once, for the export and the check
+    path = export_onnx(run_dir, loaded)
+    check = compare_with_torch(run_dir, path, loaded=loaded)
     result = {"path": str(path), "bytes": path.stat().st_size, **check}
     if as_json:
         _emit(result)

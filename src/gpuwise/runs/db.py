@@ -89,7 +89,8 @@ def calibrate(device: str, fractions: dict[str, float], record_id: int, path: Pa
 
 def calibration(device: str, key: str, path: Path | None = None) -> tuple[float, str] | None:
     """(value, origin) measured by gpuwise bench for this device, or None. The value is a fraction of
-    peak, except under keys ending in `.s_per_sample` (seconds per sample of a workload's step)."""
+    peak, except under keys ending in `.s_per_sample` and `.s_per_param` (seconds of a workload's step
+    per sample and per trainable parameter)."""
     target = Path(path) if path else default_path()
     if not target.exists():
         return None

@@ -80,12 +80,12 @@ def _quiet():
             lg.setLevel(level)
 
 
-def export_onnx(run_dir: Path) -> Path:
+def export_onnx(run_dir: Path, loaded: tuple | None = None) -> Path:
     """Write RUN/model.onnx (batch dimension dynamic), check it, and return its path."""
     import onnx
     import torch
 
-    cfg, model, meta = load_torch(run_dir)
+    cfg, model, meta = loaded or load_torch(run_dir)
     in_name, out_name, _ = SIGNATURES[cfg.workload]
     if cfg.workload == "defects":
         size = meta["image_size"]
@@ -172,11 +172,11 @@ def sample_inputs(cfg, meta: dict, n: int = 8) -> tuple[np.ndarray, str]:
     return defects.to_tensor(images).numpy(), source
 
 
-def compare_with_torch(run_dir: Path, path: Path, n: int = 8) -> dict:
+def compare_with_torch(run_dir: Path, path: Path, n: int = 8, loaded: tuple | None = None) -> dict:
     """onnxruntime vs torch on n real inputs: the largest absolute difference of their outputs."""
     import torch
 
-    cfg, model, meta = load_torch(run_dir)
+    cfg, model, meta = loaded or load_torch(run_dir)
     x, source = sample_inputs(cfg, meta, n)
     with torch.no_grad():
         fn = model if cfg.workload == "defects" else model.all_scores

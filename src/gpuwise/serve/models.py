@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from gpuwise.errors import GpuwiseError
+from gpuwise.workloads.recommender import top_k
 
 
 class ClientError(Exception):
@@ -81,6 +82,8 @@ class Defects:
         """PNG/JPEG bytes -> the grey, resized array the model was trained on."""
         from PIL import Image, UnidentifiedImageError
 
+        from gpuwise.workloads.defects import to_grey
+
         try:
             with Image.open(io.BytesIO(data)) as im:
                 if im.format not in ("PNG", "JPEG"):
@@ -90,7 +93,7 @@ class Defects:
                         413, f"{name}: {im.width}x{im.height} pixels is over the limit of {self.limits.max_pixels:,}"
                     )
                 im.load()
-                return np.asarray(im.convert("L").resize((self.size, self.size), Image.BILINEAR))
+                return to_grey(im, self.size)
         except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
             raise ClientError(422, f"{name}: not a readable PNG or JPEG image ({type(e).__name__})") from None
 
@@ -114,7 +117,7 @@ class Recommender:
         inter = np.load(run_dir / "train_interactions.npz")
         order = np.argsort(inter["user"], kind="stable")
         bounds = np.searchsorted(inter["user"][order], np.arange(len(meta["users"]) + 1))
-        self.seen = [inter["item"][order][a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        self.seen = [np.unique(inter["item"][order][a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         self.limits = limits
         self.device = "cpu" if runtime == "onnx" else device_here()
         self.model_name = f"matrix factorization, {len(self.user_index)} users x {len(self.items)} items"
@@ -134,13 +137,9 @@ class Recommender:
         scores = self.forward(np.array([u for u, _, _ in asks], dtype=np.int64))
         out = []
         for row, (u, k, exclude) in zip(scores, asks, strict=True):
-            if exclude:
-                row = row.copy()
-                row[self.seen[u]] = -np.inf
-            k = min(k, int(np.isfinite(row).sum()))
-            top = np.argpartition(-row, k - 1)[:k] if k else np.array([], dtype=int)
-            top = top[np.argsort(-row[top], kind="stable")]
-            out.append([self.item(int(i), float(row[i])) for i in top])
+            hide = self.seen[u] if exclude else self.seen[u][:0]
+            [top] = top_k(torch.from_numpy(row[None]), [hide], min(k, len(row) - len(hide)))
+            out.append([self.item(i, float(row[i])) for i in top])
         return out
 
 
@@ -148,22 +147,11 @@ class ProductLM:
     workload = "product-lm"
 
     def __init__(self, run_dir: Path, cfg, runtime: str, limits: Limits):
-        from gpuwise.workloads.product_lm import quiet_transformers
+        from gpuwise.workloads.product_lm import load_trained
 
         if runtime == "onnx":
             raise GpuwiseError("--runtime onnx serves defects and recommender; product-lm serves through torch")
-        quiet_transformers()
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        if cfg.method == "full":
-            source = run_dir / "model"
-            model = AutoModelForCausalLM.from_pretrained(str(source))
-        else:
-            from peft import AutoPeftModelForCausalLM
-
-            source = run_dir / "adapter"
-            model = AutoPeftModelForCausalLM.from_pretrained(str(source))
-        self.tok = AutoTokenizer.from_pretrained(str(source))
+        model, self.tok = load_trained(run_dir, cfg)
         self.device = device_here()
         self.model = model.to(self.device).eval()
         self.model_name = f"{cfg.base or 'small Llama (gpuwise default)'}, {cfg.method}"

@@ -44,13 +44,20 @@ def load_elpv(size: int):
     return _resize(images, size), labels, info
 
 
+def to_grey(im, size: int) -> np.ndarray:
+    """A PIL image as the model sees it: grey, size x size, uint8."""
+    from PIL import Image
+
+    return np.asarray(im.convert("L").resize((size, size), Image.BILINEAR))
+
+
 def read_image(path: Path, size: int) -> np.ndarray:
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as im:
             im.load()
-            return np.asarray(im.convert("L").resize((size, size), Image.BILINEAR))
+            return to_grey(im, size)
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise GpuwiseError(f"{path}: not a readable image ({type(e).__name__}: {e})") from None
 

@@ -324,17 +324,23 @@ def build(cfg, run_dir: Path) -> Workload:
     )
 
 
-def predict(run_dir: Path, cfg, inputs: list[str], max_tokens: int = 40, **_) -> list[dict]:
+def load_trained(run_dir: Path, cfg):
+    """(model, tokenizer) of a finished run: model/ after full fine-tuning, else base + adapter/."""
     quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if cfg.method == "full":
-        model = AutoModelForCausalLM.from_pretrained(str(run_dir / "model"))
-        tok = AutoTokenizer.from_pretrained(str(run_dir / "model"))
+        source = run_dir / "model"
+        model = AutoModelForCausalLM.from_pretrained(str(source))
     else:
         from peft import AutoPeftModelForCausalLM
 
-        model = AutoPeftModelForCausalLM.from_pretrained(str(run_dir / "adapter"))
-        tok = AutoTokenizer.from_pretrained(str(run_dir / "adapter"))
+        source = run_dir / "adapter"
+        model = AutoPeftModelForCausalLM.from_pretrained(str(source))
+    return model, AutoTokenizer.from_pretrained(str(source))
+
+
+def predict(run_dir: Path, cfg, inputs: list[str], max_tokens: int = 40, **_) -> list[dict]:
+    model, tok = load_trained(run_dir, cfg)
     texts = generate(model, tok, inputs, max_tokens, "cpu", seed=cfg.seed)
     return [{"prompt": p, "text": t} for p, t in zip(inputs, texts, strict=True)]
