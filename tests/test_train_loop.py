@@ -96,6 +96,8 @@ def test_kill_9_then_resume_gives_bitwise_identical_weights(cells, tmp_path):
     resumed = run_cli(["train", "--resume", str(killed)])
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming" in resumed.stderr
+    rows = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 41))  # the redone steps logged once
     a, b = weights(tmp_path / "whole"), weights(killed)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)  # bitwise

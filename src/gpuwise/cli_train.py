@@ -141,25 +141,22 @@ def predict(
     inputs: Annotated[
         list[str], typer.Argument(help="defects: image files; recommender: user ids; product-lm: prompts.")
     ],
-    k: Annotated[int, typer.Option(help="recommender: items per user.")] = 10,
-    max_tokens: Annotated[int, typer.Option(help="product-lm: tokens to generate.")] = 40,
+    k: Annotated[int, typer.Option(min=1, max=10_000, help="recommender: items per user.")] = 10,
+    max_tokens: Annotated[int, typer.Option(min=1, max=100_000, help="product-lm: tokens to generate.")] = 40,
     as_json: JsonOpt = False,
 ):
     """Run a trained model on new inputs."""
-    from gpuwise.train.records import load_config
+    from gpuwise.train.records import loading_model, open_finished
 
-    cfg = load_config(run_dir)
-    if not (run_dir / "summary.json").exists():
-        raise GpuwiseError(
-            f"{run_dir} has not finished training (no summary.json): `gpuwise train --resume {run_dir}` completes it"
-        )
+    cfg = open_finished(run_dir)
     if cfg.workload == "defects":
         from gpuwise.workloads.defects import predict as run
     elif cfg.workload == "recommender":
         from gpuwise.workloads.recommender import predict as run
     else:
         from gpuwise.workloads.product_lm import predict as run
-    results = run(run_dir, cfg, inputs, k=k, max_tokens=max_tokens)
+    with loading_model(run_dir):
+        results = run(run_dir, cfg, inputs, k=k, max_tokens=max_tokens)
     if as_json:
         sys.stdout.write(json.dumps(results, indent=2) + "\n")
         return

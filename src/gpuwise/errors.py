@@ -19,3 +19,9 @@ def closest(word: str, choices, n: int = 3) -> str:
         # Substring hits catch "h100" -> h100-sxm/h100-pcie, which difflib ranks low.
         near = [c for c in choices if word.lower() in c][:n]
     return f" (closest: {', '.join(near)})" if near else ""
+
+
+def first_line(e: BaseException) -> str:
+    """'Type: the first line of its message', for an error from a library passed on as one line."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__

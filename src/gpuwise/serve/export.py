@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gpuwise.errors import GpuwiseError
+from gpuwise.errors import GpuwiseError, first_line
 
 ONNX_WORKLOADS = ("defects", "recommender")
 # input name, output name, and the saved files the torch model is rebuilt from
@@ -28,26 +28,17 @@ SIGNATURES = {
 _DTYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-
 def load_torch(run_dir: Path):
     """(cfg, model in eval mode, meta) of a finished defects/recommender run, or a one-line GpuwiseError."""
-    from gpuwise.train.records import load_config
+    from gpuwise.train.records import loading_model, open_finished
 
-    cfg = load_config(run_dir)
+    cfg = open_finished(run_dir)
     if cfg.workload not in ONNX_WORKLOADS:
         raise GpuwiseError(f"export --format onnx covers defects and recommender; {cfg.workload} serves through torch")
-    if not (run_dir / "summary.json").exists():
-        raise GpuwiseError(
-            f"{run_dir} has not finished training (no summary.json): `gpuwise train --resume {run_dir}` completes it"
-        )
     missing = [f for f in SIGNATURES[cfg.workload][2] if not (run_dir / f).exists()]
     if missing:
         raise GpuwiseError(f"{run_dir}: no {', '.join(missing)} — the run saved no model to export")
-    try:
+    with loading_model(run_dir):
         if cfg.workload == "defects":
             from gpuwise.workloads.defects import load_trained
 
@@ -56,10 +47,6 @@ def load_torch(run_dir: Path):
             from gpuwise.workloads.recommender import load_trained
 
             model, meta = load_trained(run_dir)
-    except GpuwiseError:
-        raise
-    except Exception as e:  # noqa: BLE001 - safetensors, json and torch each raise their own types
-        raise GpuwiseError(f"{run_dir}: cannot load the trained model ({_first_line(e)})") from None
     return cfg, model.eval(), meta
 
 
@@ -114,7 +101,7 @@ def export_onnx(run_dir: Path, loaded: tuple | None = None) -> Path:
         onnx.checker.check_model(str(tmp))
         os.replace(tmp, path)
     except Exception as e:  # noqa: BLE001 - the exporter and checker raise many types
-        raise GpuwiseError(f"{run_dir}: ONNX export failed ({_first_line(e)})") from None
+        raise GpuwiseError(f"{run_dir}: ONNX export failed ({first_line(e)})") from None
     finally:
         tmp.unlink(missing_ok=True)
     return path
@@ -131,7 +118,7 @@ def onnx_forward(path: Path) -> Callable[[np.ndarray], np.ndarray]:
     except Exception as e:  # noqa: BLE001 - onnxruntime raises its own pybind error types
         run = path.parent
         raise GpuwiseError(
-            f"{path}: not a readable ONNX model ({_first_line(e)}) — run `gpuwise export {run} --format onnx`"
+            f"{path}: not a readable ONNX model ({first_line(e)}) — run `gpuwise export {run} --format onnx`"
         ) from None
     (inp,), (out,) = session.get_inputs(), session.get_outputs()
     dtype = _DTYPES.get(inp.type, np.float32)

@@ -25,7 +25,7 @@ from gpuwise.errors import GpuwiseError
 from gpuwise.train import checkpoint, fit, measure
 from gpuwise.train.config import TrainConfig
 from gpuwise.train.engine import make_fabric
-from gpuwise.train.records import Recorder, load_config, new_run_dir
+from gpuwise.train.records import Recorder, RunClaim, load_config
 
 
 def forward_rng():
@@ -45,7 +45,20 @@ def say(fabric, message: str) -> None:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every generator's state as tensors and plain values, so that a checkpoint loads with
+    `weights_only=True` (numpy's own state holds an ndarray, which that loader refuses)."""
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "kind": kind,
+            "key": torch.from_numpy(key.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -53,7 +66,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -98,19 +112,33 @@ class StopFlag:
 def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dict:
     cfg.validate()
     fabric, accelerator, precision, strategy = make_fabric(cfg)
-    # Rank 0 names the run (a default name comes from the clock) and checks it; all ranks learn the
-    # answer, so a refusal stops every process instead of leaving the others waiting.
-    choice = None
+    # Rank 0 claims the run directory (a default name comes from the clock) and checks it; all ranks
+    # learn the answer, so a refusal stops every process instead of leaving the others waiting.
+    choice, claim = None, None
     if fabric.is_global_zero:
         try:
-            choice = str(resume_dir or new_run_dir(cfg))
+            claim = RunClaim.resume(resume_dir) if resume_dir else RunClaim.new(cfg)
+            choice = str(claim.path)
         except GpuwiseError as e:
             choice = GpuwiseError(str(e))
     choice = fabric.broadcast(choice, src=0)
     if isinstance(choice, GpuwiseError):
         raise choice
-    run_dir = Path(choice)
-    rec = Recorder(run_dir, fabric.is_global_zero)
+    rec = Recorder(Path(choice), fabric.is_global_zero)
+    try:
+        return _train(cfg, fabric, accelerator, precision, strategy, rec, resume_dir is not None, console)
+    except BaseException:
+        rec.close()
+        if claim is not None:
+            claim.discard_if_unused()  # silently: the error says what went wrong, and nothing was lost
+        raise
+    finally:
+        if claim is not None:
+            claim.release()
+
+
+def _train(cfg, fabric, accelerator, precision, strategy, rec: Recorder, resuming: bool, console) -> dict:
+    run_dir = rec.run_dir
     fabric.seed_everything(cfg.seed, verbose=False)
 
     from gpuwise.workloads import build
@@ -157,19 +185,13 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
 
     # --- resume ---------------------------------------------------------------------------
     step, micro, oom_events, elapsed_before = 0, cfg.micro_batch_size, [], 0.0
-    if resume_dir is not None:
-        path, skipped = checkpoint.latest_valid(run_dir / "checkpoints")
-        for line in skipped:
-            say(fabric, f"gpuwise: {line}")
-        if path is None:
-            raise GpuwiseError(f"{run_dir}: no usable checkpoint to resume from")
-        state = {"model": model, "optimizer": optimizer}
-        rest = fabric.load(path / checkpoint.STATE, state, weights_only=False)
-        scheduler.load_state_dict(rest["scheduler"])
-        fabric.strategy.precision.load_state_dict(rest["precision"])
-        set_rng_state(rest["rng"])  # rank 0's: exact for one process, fresh-but-valid draws for the others
-        step, micro, oom_events, elapsed_before = rest["step"], rest["micro_batch"], rest["oom_events"], rest["elapsed"]
-        say(fabric, f"gpuwise: resuming {run_dir} at step {step} from {path.name}")
+    if resuming:
+        restored = _restore(fabric, run_dir, model, optimizer, scheduler)
+        if restored is None:
+            say(fabric, f"gpuwise: {run_dir} has no checkpoint yet: starting it from step 0")
+        else:
+            step, micro, oom_events, elapsed_before = restored
+        rec.rewind(step)
 
     # --- measure one step (FLOPs, saved activations), then fit the micro-batch to memory -----
     raw = model.module if hasattr(model, "module") else model
@@ -342,6 +364,35 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
     rec.summary(summary)
     rec.close()
     return summary if fabric.is_global_zero else None
+
+
+def _restore(fabric, run_dir: Path, model, optimizer, scheduler):
+    """Load the newest checkpoint that is whole and loads; (step, micro-batch, OOM events, elapsed), or None
+    when the run has no checkpoint. Each one skipped gets one line: a corrupt file, or one that passes
+    its checksum yet does not load (a planted pickle, a state of another shape)."""
+    found = False
+    for path, why in checkpoint.candidates(run_dir / "checkpoints"):
+        found = True
+        if why is None:
+            try:
+                rest = checkpoint.load(fabric, path, {"model": model, "optimizer": optimizer})
+                scheduler.load_state_dict(rest["scheduler"])
+                fabric.strategy.precision.load_state_dict(rest["precision"])
+                set_rng_state(rest["rng"])  # rank 0's: exact for one process, fresh-but-valid draws for the others
+                restored = int(rest["step"]), int(rest["micro_batch"]), list(rest["oom_events"]), float(rest["elapsed"])
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            # An untrusted file fails in any of torch's, pickle's or our types, and torch.distributed.checkpoint's
+            # CheckpointException is a BaseException.
+            except BaseException as e:  # noqa: BLE001
+                why = f"does not load: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+            else:
+                say(fabric, f"gpuwise: resuming {run_dir} at step {restored[0]} from {path.name}")
+                return restored
+        say(fabric, f"gpuwise: checkpoint {path.name} is corrupt ({why}); using the one before it")
+    if found:
+        raise GpuwiseError(f"{run_dir}: no usable checkpoint to resume from (each one above is corrupt)")
+    return None
 
 
 def analytic_plan(work, cfg, micro: int, precision: str) -> dict:

@@ -1,19 +1,24 @@
-"""What a run leaves behind: config.yaml, metrics.jsonl, TensorBoard events, summary.json.
+"""What a run leaves behind: config.yaml, metrics.jsonl, TensorBoard events, summary.json; and the claim
+on its directory.
 
 Only rank 0 writes. Writes of whole files go through a temp name and a rename, so a killed run
-never leaves half a summary.
+never leaves half a summary. A run holds its directory by an advisory lock for its whole life, so
+no two processes ever write one run, and never writes into a directory that holds anything else.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
 import yaml
 
-from gpuwise.errors import GpuwiseError
+from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.train.config import TrainConfig
 
 
@@ -26,29 +31,173 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def new_run_dir(cfg: TrainConfig) -> Path:
-    if cfg.run_dir:
-        path = Path(cfg.run_dir)
-        if (path / "config.yaml").exists():
+LOCK = ".lock"
+MAX_CONFIG_BYTES = 1 << 20  # a config.yaml is a few hundred bytes; a larger one is not ours
+
+
+def _oserror(what: str, e: OSError) -> GpuwiseError:
+    return GpuwiseError(f"{what}: {e.strerror or e}")
+
+
+class RunClaim:
+    """A run directory held for the run's life by `flock` on RUN/.lock: a second process given the same
+    directory is refused at once, and the lock goes with the process (kill -9 too), so a crash never
+    leaves a stale lock to clear by hand."""
+
+    def __init__(self, path: Path, created: bool, resumed: bool):
+        self.path, self.created, self.resumed = path, created, resumed
+        self._fd: int | None = None
+        import fcntl
+
+        try:
+            fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise _oserror(f"{path}: cannot write to the run directory", e) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
             raise GpuwiseError(
-                f"{path} already holds a run: continue it with `gpuwise train --resume {path}` "
-                "or pass another --run-dir"
+                f"{path} is in use by another gpuwise process (pid {holder}): wait for it, or pass another --run-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+
+    @classmethod
+    def new(cls, cfg: TrainConfig) -> RunClaim:
+        """`--run-dir` if given (absent, or an empty directory), else runs/WORKLOAD-TIME with -2, -3, ... when
+        another run started in the same second (os.mkdir is atomic: exactly one process gets each name)."""
+        if cfg.run_dir:
+            path = Path(cfg.run_dir)
+            created = not path.exists()
+            _mkdir(path, exist_ok=True, flag="--run-dir")
+            claim = cls(path, created, resumed=False)
+            try:
+                entries = sorted(e for e in os.listdir(path) if e != LOCK)
+            except OSError as e:
+                claim.release()
+                raise _oserror(f"--run-dir {path}", e) from None
+            if "config.yaml" in entries:
+                claim.release()
+                raise GpuwiseError(
+                    f"{path} already holds a run: continue it with `gpuwise train --resume {path}` "
+                    "or pass another --run-dir"
+                )
+            if entries:
+                claim.release()
+                shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+                raise GpuwiseError(
+                    f"--run-dir {path} is not empty and is not a gpuwise run (it holds {shown}); nothing in it "
+                    "was touched: pass an empty or new directory"
+                )
+            return claim
+        stem = Path("runs") / f"{cfg.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
+        _mkdir(stem.parent, exist_ok=True, flag="runs/")
+        for n in range(1, 10_000):
+            path = stem if n == 1 else stem.with_name(f"{stem.name}-{n}")
+            try:
+                _mkdir(path, exist_ok=False, flag="runs/")
+            except FileExistsError:
+                continue
+            return cls(path, created=True, resumed=False)
+        raise GpuwiseError(f"{stem}: 10,000 runs started in the same second; pass --run-dir")
+
+    @classmethod
+    def resume(cls, run_dir: Path) -> RunClaim:
+        if not run_dir.is_dir():
+            raise GpuwiseError(f"--resume {run_dir}: no such run directory")
+        if not (run_dir / "config.yaml").is_file():
+            raise GpuwiseError(f"--resume {run_dir}: not a gpuwise run directory (no config.yaml)")
+        claim = cls(run_dir, created=False, resumed=True)
+        if (run_dir / "summary.json").exists():
+            claim.release()
+            raise GpuwiseError(
+                f"--resume {run_dir}: the run has finished (summary.json); nothing to resume. "
+                "Train on with a new run (recommender: --init-from)"
             )
-        return path
-    return Path("runs") / f"{cfg.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return claim
+
+    def discard_if_unused(self) -> None:
+        """After a failure: a new run that wrote no checkpoint and logged no step holds nothing worth keeping,
+        yet its config.yaml would block the same --run-dir. Remove what it wrote (the directory was absent
+        or empty before). A resumed run is the user's and is kept."""
+        if self.resumed or any((self.path / "checkpoints").glob("step-*")):
+            return
+        metrics = self.path / "metrics.jsonl"
+        if metrics.exists() and any('"loss"' in line for line in metrics.read_text(errors="replace").splitlines()):
+            return
+        if self.created:
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            for entry in self.path.iterdir():
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+
+def _mkdir(path: Path, exist_ok: bool, flag: str) -> None:
+    try:
+        if exist_ok:
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.mkdir(path)
+    except FileExistsError:
+        if exist_ok:  # a file of that name
+            raise GpuwiseError(f"{flag} {path}: a file of that name exists; pass a directory") from None
+        raise
+    except OSError as e:
+        if e.errno == errno.EEXIST:
+            raise
+        raise _oserror(f"{flag} {path}: cannot create the directory", e) from None
 
 
 def load_config(run_dir: Path) -> TrainConfig:
+    """A run's saved config, checked as strictly as the flags it came from (the file is untrusted input)."""
     path = run_dir / "config.yaml"
+    if not run_dir.is_dir():
+        raise GpuwiseError(f"{run_dir}: no such run directory")
     try:
-        data = yaml.safe_load(path.read_text())
+        if not path.is_file():
+            raise FileNotFoundError
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise GpuwiseError(f"{path}: over {MAX_CONFIG_BYTES:,} bytes; not a gpuwise config")
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise GpuwiseError(f"{run_dir} is not a gpuwise run directory (no config.yaml)") from None
-    except (OSError, yaml.YAMLError) as e:
-        raise GpuwiseError(f"cannot read {path}: {e}") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise GpuwiseError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise GpuwiseError(f"{path} does not hold a config mapping")
-    return TrainConfig.from_dict(data)
+    return TrainConfig.from_dict(data, where=str(path))
+
+
+def open_finished(run_dir: Path) -> TrainConfig:
+    """The config of a run that finished training, for predict, serve and export; one line if it is not one."""
+    cfg = load_config(run_dir)
+    if not (run_dir / "summary.json").is_file():
+        raise GpuwiseError(
+            f"{run_dir} has not finished training (no summary.json): `gpuwise train --resume {run_dir}` completes it"
+        )
+    return cfg
+
+
+@contextlib.contextmanager
+def loading_model(run_dir: Path, flag: str = ""):
+    """A run's files are untrusted input (truncated, hand-edited, planted): whatever they make safetensors,
+    json, transformers or torch raise while loading becomes one line."""
+    try:
+        yield
+    except GpuwiseError:
+        raise
+    except Exception as e:  # noqa: BLE001 - each loader raises its own types
+        where = f"{flag} {run_dir}" if flag else str(run_dir)
+        raise GpuwiseError(f"{where}: cannot load the trained model ({first_line(e)})") from None
 
 
 class Recorder:
@@ -62,6 +211,28 @@ class Recorder:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def rewind(self, step: int) -> None:
+        """On resume from the checkpoint of `step`: drop what was logged after it (the steps about to be
+        redone, and a line cut by a kill), so metrics.jsonl keeps one line per step, and TensorBoard too."""
+        if not self.enabled:
+            return
+        self._metrics.close()
+        path = self.run_dir / "metrics.jsonl"
+        kept = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                kept.append(line + "\n")
+        write_atomic(path, "".join(kept))
+        self._metrics = path.open("a", encoding="utf-8")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb.close()
+        self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=step + 1)
 
     def save_config(self, cfg: TrainConfig) -> None:
         if self.enabled:
@@ -83,6 +254,6 @@ class Recorder:
             write_atomic(self.run_dir / "summary.json", json.dumps(data, indent=2, default=str) + "\n")
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and not self._metrics.closed:
             self._metrics.close()
             self._tb.close()

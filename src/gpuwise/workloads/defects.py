@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gpuwise.errors import GpuwiseError
+from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.workloads import Workload, metrics
 
 SPLIT_SEED = 2019  # fixed: every run, whatever its --seed, is scored on the same held-out cells
@@ -130,8 +130,8 @@ class PretrainedClassifier(nn.Module):
 
         try:
             self.net = AutoModelForImageClassification.from_pretrained(base, num_labels=1, ignore_mismatched_sizes=True)
-        except OSError as e:
-            raise GpuwiseError(f"--base {base}: cannot load an image model ({str(e).splitlines()[0]})") from None
+        except Exception as e:  # noqa: BLE001 - a broken config.json raises anything from TypeError to KeyError
+            raise GpuwiseError(f"--base {base}: cannot load an image model ({first_line(e)})") from None
         self.channels = getattr(self.net.config, "num_channels", 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpuwise.errors import GpuwiseError
+from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.workloads import Workload
 
 PROMPTS = ("this coffee", "my dog", "i ordered")
@@ -151,8 +151,8 @@ def load_base(cfg, tok, run_dir: Path):
         )
     try:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    except (OSError, ValueError) as e:
-        raise GpuwiseError(f"--base {source}: cannot load a causal LM ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # noqa: BLE001 - a broken config.json raises anything from TypeError to KeyError
+        raise GpuwiseError(f"--base {source}: cannot load a causal LM ({first_line(e)})") from None
 
 
 def load_tokenizer(cfg, texts):
@@ -162,8 +162,8 @@ def load_tokenizer(cfg, texts):
 
     try:
         tok = AutoTokenizer.from_pretrained(cfg.base)
-    except (OSError, ValueError) as e:
-        raise GpuwiseError(f"--base {cfg.base}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # noqa: BLE001 - as for the model
+        raise GpuwiseError(f"--base {cfg.base}: cannot load its tokenizer ({first_line(e)})") from None
     if tok.eos_token_id is None:
         raise GpuwiseError(f"--base {cfg.base}: its tokenizer has no end-of-text token")
     tok.pad_token = tok.pad_token or tok.eos_token
@@ -331,7 +331,8 @@ def load_trained(run_dir: Path, cfg):
 
     if cfg.method == "full":
         source = run_dir / "model"
-        model = AutoModelForCausalLM.from_pretrained(str(source))
+        # safetensors only: a pytorch_model.bin planted beside it is a pickle, and is never read
+        model = AutoModelForCausalLM.from_pretrained(str(source), use_safetensors=True)
     else:
         from peft import AutoPeftModelForCausalLM
 

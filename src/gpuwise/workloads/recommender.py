@@ -118,7 +118,12 @@ def build(cfg, run_dir: Path) -> Workload:
     tu = train_df["user"].astype(str).map(u_index).to_numpy()
     ti = train_df["item"].astype(str).map(i_index).to_numpy()
     model = MatrixFactorization(len(users), len(items))
-    grown = warm_start(model, Path(cfg.init_from), users, items) if cfg.init_from else None
+    grown = None
+    if cfg.init_from:
+        from gpuwise.train.records import loading_model
+
+        with loading_model(Path(cfg.init_from), "--init-from"):
+            grown = warm_start(model, Path(cfg.init_from), users, items)
 
     seen = [np.sort(ti[tu == u]) for u in range(len(users))]
     test_users, truth = [], []
@@ -219,11 +224,10 @@ def item_knn(tu, ti, n_users: int, n_items: int, score_users) -> dict:
 def warm_start(model: MatrixFactorization, prev_dir: Path, users: list[str], items: list[str]) -> dict:
     from safetensors.torch import load_file
 
-    try:
-        meta = json.loads((prev_dir / "ids.json").read_text())
-        weights = load_file(str(prev_dir / "model.safetensors"))
-    except (OSError, ValueError) as e:
-        raise GpuwiseError(f"--init-from {prev_dir}: not a finished recommender run ({e})") from None
+    if not (prev_dir / "ids.json").is_file() or not (prev_dir / "model.safetensors").is_file():
+        raise GpuwiseError(f"--init-from {prev_dir}: not a finished recommender run (no ids.json, model.safetensors)")
+    meta = json.loads((prev_dir / "ids.json").read_text())
+    weights = load_file(str(prev_dir / "model.safetensors"))
     if weights["user.weight"].shape[1] != model.user.embedding_dim:
         raise GpuwiseError(f"--init-from {prev_dir}: embedding size {weights['user.weight'].shape[1]} differs")
     counts = {}
