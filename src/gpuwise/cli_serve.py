@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import socket
 from pathlib import Path
 from typing import Annotated, Optional
@@ -37,34 +38,61 @@ def _check_port_free(host: str, port: int) -> None:
 def serve(
     run_dir: Annotated[Path, typer.Argument(help="A finished `gpuwise train` run.")],
     host: Annotated[str, typer.Option(help="Address to bind; anything but loopback needs an API key.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
-    max_batch: Annotated[int, typer.Option(min=1, help="Items per forward pass at most (1: no batching).")] = 32,
-    max_wait_ms: Annotated[float, typer.Option(min=0, help="How long a pass waits for more items.")] = 5.0,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
+    max_batch: Annotated[
+        int, typer.Option(min=1, max=65536, help="Items per forward pass at most (1: no batching).")
+    ] = 32,
+    max_wait_ms: Annotated[float, typer.Option(min=0, max=10_000, help="How long a pass waits for more items.")] = 5.0,
     runtime: Annotated[str, typer.Option(help="torch, or onnx (after `gpuwise export`).")] = "torch",
     api_key: Annotated[
-        Optional[str], typer.Option(envvar="GPUWISE_API_KEY", help="Required on every request when set.")
+        Optional[str],
+        typer.Option(
+            envvar="GPUWISE_API_KEY",
+            help="Required on every request when set. The flag shows in the process list; GPUWISE_API_KEY does not.",
+        ),
     ] = None,
-    timeout: Annotated[float, typer.Option(min=0.001, help="Seconds a request may take.")] = 30.0,
-    max_body_mb: Annotated[float, typer.Option(min=0.001, help="Largest request body.")] = 16.0,
-    max_k: Annotated[int, typer.Option(min=1, help="recommender: largest k.")] = 100,
-    max_tokens: Annotated[int, typer.Option(min=1, help="product-lm: largest max_tokens.")] = 512,
-    grace: Annotated[float, typer.Option(min=0, help="Seconds in-flight requests get after SIGTERM.")] = 30.0,
+    timeout: Annotated[float, typer.Option(min=0.001, max=86400, help="Seconds a request may take.")] = 30.0,
+    read_timeout: Annotated[
+        float, typer.Option(min=0.1, max=3600, help="Seconds a client may take to send its headers, and its body.")
+    ] = 30.0,
+    max_connections: Annotated[
+        int, typer.Option(min=1, max=100_000, help="Connections open at once; a 503 beyond.")
+    ] = 256,
+    max_body_mb: Annotated[float, typer.Option(min=0.001, max=4096, help="Largest request body.")] = 16.0,
+    max_k: Annotated[int, typer.Option(min=1, max=1_000_000, help="recommender: largest k.")] = 100,
+    max_tokens: Annotated[int, typer.Option(min=1, max=1_000_000, help="product-lm: largest max_tokens.")] = 512,
+    grace: Annotated[
+        float, typer.Option(min=0, max=86400, help="Seconds in-flight requests get after SIGTERM.")
+    ] = 30.0,
 ):
     """Serve a trained run over HTTP: /v1/predict (defects), /v1/recommend (recommender) or
     /v1/generate (product-lm), with /health, /v1/info, /metrics and the OpenAPI docs at /docs."""
     import uvicorn
 
-    from gpuwise.serve.app import Settings, create_app
+    from gpuwise.serve.app import Settings, create_app, server_config
     from gpuwise.serve.models import Limits, load_served
 
+    numbers = {"--timeout": timeout, "--read-timeout": read_timeout, "--max-body-mb": max_body_mb}
+    for flag, value in (numbers | {"--max-wait-ms": max_wait_ms, "--grace": grace}).items():
+        if math.isnan(value):  # click's range check lets nan through (every comparison with it is false)
+            raise GpuwiseError(f"{flag} must be a number, not nan")
     if runtime not in ("torch", "onnx"):
         raise GpuwiseError(f"--runtime {runtime}: choose torch or onnx")
     if not is_loopback(host) and not api_key:
         raise GpuwiseError(f"--host {host} exposes the model beyond this machine: set --api-key or GPUWISE_API_KEY")
+    if api_key is not None and (not api_key.strip() or any(ord(c) < 32 or ord(c) == 127 for c in api_key)):
+        raise GpuwiseError("--api-key: empty, or holds control characters that no HTTP header can carry")
     if not run_dir.is_dir():
         raise GpuwiseError(f"{run_dir}: no such run directory")
     _check_port_free(host, port)
-    limits = Limits(max_body_bytes=int(max_body_mb * 2**20), max_k=max_k, max_tokens=max_tokens, timeout_s=timeout)
+    limits = Limits(
+        max_body_bytes=int(max_body_mb * 2**20),
+        max_k=max_k,
+        max_tokens=max_tokens,
+        timeout_s=timeout,
+        read_timeout_s=read_timeout,
+        max_connections=max_connections,
+    )
     served, _ = load_served(run_dir, runtime, limits)
     settings = Settings(str(run_dir), runtime, max_batch, max_wait_ms, api_key, limits)
     asgi = create_app(served, settings, run_id=run_dir.name, precision="fp32")  # served unquantized, no autocast
@@ -74,5 +102,4 @@ def serve(
     )
     # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish (up to
     # --grace seconds), then runs the app's shutdown.
-    config = uvicorn.Config(asgi, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace)
-    uvicorn.Server(config).run()
+    uvicorn.Server(server_config(asgi, host, port, limits, grace)).run()

@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Annotated
 
@@ -15,10 +17,25 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 from gpuwise.serve.batcher import DynamicBatcher, ServeMetrics
-from gpuwise.serve.models import ClientError, Limits
+from gpuwise.serve.models import ClientError, Job, Limits
+
+log = logging.getLogger("gpuwise.serve")
+MAX_STOP_CHARS = 128  # per stop string: transformers builds a table per stop string x vocabulary (100,000 chars: 4 GB)
+
+
+def _utf8(text: str) -> str:
+    """JSON can carry lone surrogates (\\udc80) that no UTF-8 answer can echo back: a 422, not a 500."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("is not valid Unicode text (a lone surrogate)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
 
 
 @dataclass
@@ -45,7 +62,7 @@ class PredictResponse(BaseModel):
 
 
 class RecommendRequest(BaseModel):
-    user: str | int
+    user: Text | int
     k: int = Field(10, description="Items to return (at most the server's --max-k)")
     exclude_seen: bool = Field(True, description="Leave out items the user interacted with in training")
 
@@ -63,11 +80,13 @@ class RecommendResponse(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    prompt: str = Field(min_length=1)
+    prompt: Text = Field(min_length=1)
     max_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.8, ge=0, le=5, description="0: greedy")
-    top_p: float = Field(0.95, gt=0, le=1)
-    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=4)
+    temperature: float = Field(0.8, ge=0, le=5, allow_inf_nan=False, description="0 (or under 0.001): greedy")
+    top_p: float = Field(0.95, gt=0, le=1, allow_inf_nan=False)
+    stop: list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=4, description=f"Up to 4 strings of up to {MAX_STOP_CHARS} characters"
+    )
     stream: bool = Field(False, description='Server-sent events: data: {"text": ...} per piece, then data: [DONE]')
 
 
@@ -93,47 +112,124 @@ def _error(status: int, message: str, **headers) -> JSONResponse:
     return JSONResponse({"detail": message}, status_code=status, headers=headers or None)
 
 
-class _TooLarge(Exception):
-    pass
+_BEARER = {"WWW-Authenticate": "Bearer"}
 
 
-class BodyLimit:
-    """413 for a body over the limit, counted as it arrives (a wrong or absent Content-Length too)."""
+class _Refused(Exception):
+    def __init__(self, status: int, message: str):
+        self.status, self.message = status, message
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+
+class Guard:
+    """The outermost layer of every request, as plain ASGI (no BaseHTTPMiddleware, which would hide a
+    client's disconnect from the routes): the API key, the body's size (counted as it arrives, a wrong or
+    absent Content-Length too) and its read time, and the request metrics, a 500 included."""
+
+    def __init__(self, app, key: str | None, limits: Limits, metrics: ServeMetrics):
+        self.app, self.limits, self.metrics = app, limits, metrics
+        # Compared as UTF-8 bytes, as the client sent them: HTTP headers are bytes, and decoding them
+        # (Starlette takes latin-1) would never match a non-ASCII key.
+        self.key = key.encode("utf-8") if key else None
+
+    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        given = b""
+        for name, value in headers:
+            if name == b"x-api-key":
+                given = value
+            elif name == b"authorization" and value[:7].lower() == b"bearer ":
+                given = value[7:]  # the scheme is case-insensitive (RFC 9110); a bare key is not a bearer token
+        return hmac.compare_digest(given, self.key)  # constant time: no timing oracle on the key
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), 500
+        limits, refused = self.limits, None
+
+        async def reply(code: int, message: str, **headers) -> None:
+            nonlocal status
+            status = code
+            await _error(code, message, **headers)(scope, receive, send)
+
+        if self.key is not None and not self._authorized(scope["headers"]):
+            await reply(401, "missing or wrong API key (X-API-Key or Authorization: Bearer)", **_BEARER)
+            self.metrics.requests.labels("any", "401").inc()
+            return
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared and declared.isdigit() and int(declared) > self.max_bytes:
-            return await _error(413, f"request body over the limit of {self.max_bytes:,} bytes")(scope, receive, send)
-        seen, started = 0, False
+        too_large = f"request body over the limit of {limits.max_body_bytes:,} bytes"
+        if declared and declared.isdigit() and int(declared) > limits.max_body_bytes:
+            await reply(413, too_large)
+            return self._count(scope, start, 413)
+        loop = asyncio.get_running_loop()
+        deadline, seen, body_done, started = loop.time() + limits.read_timeout_s, 0, False, False
 
         async def counted():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise _TooLarge
+            nonlocal seen, body_done, refused
+            if body_done:  # later reads wait for the client to leave (streaming responses): no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                refused = _Refused(408, f"request body not received within {limits.read_timeout_s:g} s")
+                raise refused from None
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
+                if seen > limits.max_body_bytes:
+                    refused = _Refused(413, too_large)
+                    raise refused
             return message
 
         async def watched(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal started, status
+            if message["type"] == "http.response.start":
+                if refused is not None:  # FastAPI turned our refusal into "error parsing the body": say ours
+                    raise refused
+                started, status = True, message["status"]
             await send(message)
 
         try:
             await self.app(scope, counted, watched)
-        except _TooLarge:
+        except _Refused as e:
             if not started:
-                await _error(413, f"request body over the limit of {self.max_bytes:,} bytes")(scope, receive, send)
+                await reply(e.status, e.message)
+        except Exception:  # noqa: BLE001 - a bug of ours: logged, counted, and one JSON line to the client
+            log.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
+            self.metrics.internal_errors.inc()
+            status = 500
+            if not started:
+                await reply(500, "internal error (logged by the server)")
+        self._count(scope, start, status)
+
+    def _count(self, scope, start: float, status: int) -> None:
+        route = scope.get("route")  # the route's template, so a scan of random paths adds no series
+        endpoint = getattr(route, "path", "unmatched")
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
 
 
-def create_app(served, settings: Settings, run_id: str, precision: str) -> FastAPI:
+async def _until_done(request: Request, work: asyncio.Future, job: Job, timeout_s: float):
+    """The result of `work`, watching meanwhile for the client leaving (every 50 ms) and the deadline;
+    either stops the job, so the model drops it at its next token."""
+    try:
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=0.05)
+            if done:
+                return work.result()
+            if job.stopped():
+                raise ClientError(504, f"no answer within the {timeout_s:g} s request timeout")
+            if await request.is_disconnected():
+                raise ClientError(499, "client closed the request")
+    finally:
+        job.cancel()
+
+
+def create_app(served, settings: Settings, run_id: str, precision: str):
     limits, metrics = settings.limits, ServeMetrics()
     batcher = DynamicBatcher(served, settings.max_batch, settings.max_wait_ms, metrics)
+    # Image decoding takes seconds for large images: off the event loop, on as many threads as cores
+    # (Pillow releases the GIL while it decodes), so /health and other requests are not held up.
+    decoder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gpuwise-decode")
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -141,34 +237,21 @@ def create_app(served, settings: Settings, run_id: str, precision: str) -> FastA
             await batcher.start()
         yield
         await batcher.stop()
+        decoder.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(
         title=f"gpuwise serve: {served.workload}",
         description=f"Run {run_id} ({served.model_name}) on {served.device}.",
         lifespan=lifespan,
     )
-    key = settings.api_key.encode() if settings.api_key else None
-
-    @app.middleware("http")
-    async def guard_and_measure(request: Request, call_next):
-        start = time.perf_counter()
-        if key is not None:
-            given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
-            if not hmac.compare_digest(given.encode(), key):  # constant time: no timing oracle on the key
-                response = _error(401, "missing or wrong API key (X-API-Key or Authorization: Bearer)")
-                response.headers["WWW-Authenticate"] = "Bearer"
-                metrics.requests.labels("any", "401").inc()
-                return response
-        response = await call_next(request)
-        route = request.scope.get("route")  # the route's template, so a scan of random paths adds no series
-        endpoint = getattr(route, "path", "unmatched")
-        metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
-        return response
 
     @app.exception_handler(ClientError)
     async def client_error(_, e: ClientError):
         return _error(e.status, e.message)
+
+    @app.exception_handler(Exception)
+    async def fault(_, e: Exception):  # Starlette answers with this, then re-raises to Guard, which logs and counts
+        return _error(500, "internal error (logged by the server)")
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, e: RequestValidationError):
@@ -210,7 +293,18 @@ def create_app(served, settings: Settings, run_id: str, precision: str) -> FastA
         async def predict(file: Annotated[list[UploadFile], File(description="PNG or JPEG, repeatable")]):
             if len(file) > limits.max_images:
                 raise ClientError(413, f"{len(file)} images; at most {limits.max_images} per request")
-            images = [served.decode(await f.read(), f.filename or f"file {n + 1}") for n, f in enumerate(file)]
+            blobs = [(await f.read(), f.filename or f"file {n + 1}") for n, f in enumerate(file)]
+            pixels = sum(served.pixels(data, name) for data, name in blobs)  # headers only: cheap
+            if pixels > limits.max_request_pixels:
+                raise ClientError(413, f"{pixels:,} pixels in this request; at most {limits.max_request_pixels:,}")
+            loop = asyncio.get_running_loop()
+            decoding = loop.run_in_executor(decoder, lambda: [served.decode(data, name) for data, name in blobs])
+            try:
+                images = await asyncio.wait_for(decoding, limits.timeout_s)
+            except TimeoutError:
+                raise ClientError(
+                    504, f"images not decoded within the {limits.timeout_s:g} s request timeout"
+                ) from None
             results = await answer(images)
             return PredictResponse(
                 predictions=[Prediction(file=f.filename or "", **r) for f, r in zip(file, results, strict=True)]
@@ -231,25 +325,107 @@ def create_app(served, settings: Settings, run_id: str, precision: str) -> FastA
     if served.workload == "product-lm":
 
         @app.post("/v1/generate", response_model=GenerateResponse)
-        async def generate(ask: GenerateRequest):
+        async def generate(ask: GenerateRequest, request: Request):
             if ask.max_tokens > limits.max_tokens:
                 raise ClientError(422, f"max_tokens: at most {limits.max_tokens}")
             if len(ask.prompt) > limits.max_prompt_chars:
                 raise ClientError(413, f"prompt: {len(ask.prompt):,} characters; at most {limits.max_prompt_chars:,}")
-            args = (ask.prompt, ask.max_tokens, ask.temperature, ask.top_p, ask.stop)
+            job = Job(limits.timeout_s)
+            args = (ask.prompt, ask.max_tokens, ask.temperature, ask.top_p, ask.stop, job)
             if not ask.stream:
-                try:
-                    result = await asyncio.wait_for(asyncio.to_thread(served.generate, *args), limits.timeout_s)
-                except TimeoutError:
-                    raise ClientError(504, f"no answer within the {limits.timeout_s:g} s request timeout") from None
+                result = await _until_done(
+                    request, asyncio.ensure_future(asyncio.to_thread(served.generate, *args)), job, limits.timeout_s
+                )
                 return GenerateResponse(**result)
             pieces = served.stream(*args)  # checks the prompt (a 4xx) before the stream starts
 
             async def events():
-                while (piece := await asyncio.to_thread(next, pieces, None)) is not None:
-                    yield f"data: {json.dumps({'text': piece})}\n\n"
-                yield "data: [DONE]\n\n"
+                sent = ""
+                try:  # a client that leaves cancels this generator: the finally stops the model
+                    while (piece := await pieces.get()) is not None:
+                        text, stopped = served.cut(sent + piece, ask.stop)
+                        if len(text) > len(sent):
+                            yield f"data: {json.dumps({'text': text[len(sent) :]})}\n\n"
+                            sent = text
+                        if stopped:
+                            break
+                    if job.error is not None:
+                        log.error("generation failed: %r", job.error)
+                        metrics.internal_errors.inc()
+                        yield f"data: {json.dumps({'error': 'internal error (logged by the server)'})}\n\n"
+                    elif job.expired:
+                        late = f"stopped at the {limits.timeout_s:g} s request timeout"
+                        yield f"data: {json.dumps({'error': late})}\n\n"
+                    yield "data: [DONE]\n\n"
+                finally:
+                    job.cancel()
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-    return BodyLimit(app, limits.max_body_bytes)
+    return Guard(app, settings.api_key, limits, metrics)
+
+
+class _Protocol:
+    """uvicorn's HTTP protocol with a deadline on the request's headers. uvicorn times out an idle
+    keep-alive connection only after a response; a client that connects and sends nothing, or one
+    header byte every few seconds, would hold its connection forever."""
+
+    @staticmethod
+    def make(read_timeout_s: float):
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        class Protocol(HttpToolsProtocol):
+            _header_timer = None
+
+            def _arm(self) -> None:
+                self._disarm()
+                self._header_timer = self.loop.call_later(read_timeout_s, self._expire)
+
+            def _disarm(self) -> None:
+                if self._header_timer is not None:
+                    self._header_timer.cancel()
+                    self._header_timer = None
+
+            def _expire(self) -> None:
+                if not self.transport.is_closing():
+                    self.transport.write(
+                        b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                    )
+                    self.transport.close()
+
+            def connection_made(self, transport) -> None:
+                super().connection_made(transport)
+                self._arm()
+
+            def on_headers_complete(self) -> None:
+                self._disarm()
+                super().on_headers_complete()
+
+            def on_response_complete(self) -> None:
+                waiting = bool(self.pipeline)  # a pipelined request already has its headers
+                super().on_response_complete()
+                if not waiting and not self.transport.is_closing():
+                    self._arm()
+
+            def connection_lost(self, exc) -> None:
+                self._disarm()
+                super().connection_lost(exc)
+
+        return Protocol
+
+
+def server_config(app, host: str, port: int, limits: Limits, grace: float = 30.0):
+    """uvicorn's settings for `gpuwise serve` (and the tests): header and idle deadlines, a bound on open
+    connections (uvicorn answers 503 beyond it), and the drain time after SIGTERM."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        http=_Protocol.make(limits.read_timeout_s),
+        limit_concurrency=limits.max_connections,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=grace,
+    )

@@ -40,6 +40,9 @@ class ServeMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
             registry=self.registry,
         )
+        self.internal_errors = Counter(
+            "gpuwise_internal_errors", "Server faults (a 500, or a stream ended by an error)", registry=self.registry
+        )
         self.queue_depth = Gauge("gpuwise_queue_depth", "Items waiting for a forward pass", registry=self.registry)
 
 

@@ -8,9 +8,12 @@ around it (decoding, limits, top-k) is the same code.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,11 +36,48 @@ class ClientError(Exception):
 class Limits:
     max_body_bytes: int = 16 << 20
     max_pixels: int = 4096 * 4096  # per image, checked from the header before decoding
+    # per request: four images at the per-image limit (an RGBA one decodes to 64 MiB)
+    max_request_pixels: int = 4 * 4096 * 4096
     max_images: int = 64  # per request
     max_k: int = 100
     max_tokens: int = 512
     max_prompt_chars: int = 8000
     timeout_s: float = 30.0
+    read_timeout_s: float = 30.0  # a client's time to send its headers, and again its body
+    max_connections: int = 256  # open at once; a 503 beyond
+
+
+class Job:
+    """One generation's off switch: thrown when its client leaves, when its time is up, or when a stop
+    string has been sent. The model checks it at every token (a transformers stopping criterion) and
+    before it starts, so abandoned work stops at the next token and never holds the model after."""
+
+    def __init__(self, timeout_s: float):
+        self.deadline = time.monotonic() + timeout_s
+        self._off = threading.Event()
+        self.expired = False
+        self.error: BaseException | None = None
+
+    def cancel(self) -> None:
+        self._off.set()
+
+    def stopped(self) -> bool:
+        if not self.expired and time.monotonic() > self.deadline:
+            self.expired = True
+        return self.expired or self._off.is_set()
+
+    def __call__(self, input_ids, scores, **_) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.stopped(), dtype=torch.bool, device=input_ids.device)
+
+    def acquire(self, lock: threading.Lock) -> bool:
+        """Wait for the model, giving up as soon as the job is stopped."""
+        while not lock.acquire(timeout=0.05):
+            if self.stopped():
+                return False
+        if self.stopped():
+            lock.release()
+            return False
+        return True
 
 
 def device_here() -> str:
@@ -78,24 +118,40 @@ class Defects:
             _onnx_forward(run_dir) if runtime == "onnx" else _torch_forward(model, self.device, torch.float32)
         )
 
-    def decode(self, data: bytes, name: str) -> np.ndarray:
-        """PNG/JPEG bytes -> the grey, resized array the model was trained on."""
+    def _open(self, data: bytes, name: str):
+        """The image's header only (no pixels decoded): format and size checked against the limits."""
         from PIL import Image, UnidentifiedImageError
+
+        try:
+            im = Image.open(io.BytesIO(data))
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+            raise ClientError(422, f"{name}: not a readable PNG or JPEG image ({type(e).__name__})") from None
+        if im.format not in ("PNG", "JPEG"):
+            raise ClientError(415, f"{name}: {im.format} image; send PNG or JPEG")
+        if im.width * im.height > self.limits.max_pixels:
+            raise ClientError(
+                413, f"{name}: {im.width}x{im.height} pixels is over the limit of {self.limits.max_pixels:,}"
+            )
+        return im
+
+    def pixels(self, data: bytes, name: str) -> int:
+        """Pixels the image will decode to, read from its header: cheap enough for the event loop."""
+        with self._open(data, name) as im:
+            return im.width * im.height
+
+    def decode(self, data: bytes, name: str) -> np.ndarray:
+        """PNG/JPEG bytes -> the grey, resized array the model was trained on. Seconds for a large image:
+        the server calls it off the event loop."""
+        from PIL import Image
 
         from gpuwise.workloads.defects import to_grey
 
-        try:
-            with Image.open(io.BytesIO(data)) as im:
-                if im.format not in ("PNG", "JPEG"):
-                    raise ClientError(415, f"{name}: {im.format} image; send PNG or JPEG")
-                if im.width * im.height > self.limits.max_pixels:
-                    raise ClientError(
-                        413, f"{name}: {im.width}x{im.height} pixels is over the limit of {self.limits.max_pixels:,}"
-                    )
+        with self._open(data, name) as im:
+            try:
                 im.load()
                 return to_grey(im, self.size)
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-            raise ClientError(422, f"{name}: not a readable PNG or JPEG image ({type(e).__name__})") from None
+            except (OSError, ValueError, Image.DecompressionBombError) as e:
+                raise ClientError(422, f"{name}: not a readable PNG or JPEG image ({type(e).__name__})") from None
 
     def __call__(self, images: list[np.ndarray]) -> list[dict]:
         from gpuwise.workloads.defects import to_tensor
@@ -167,70 +223,91 @@ class ProductLM:
             )
         return ids
 
-    def _kwargs(self, ids, max_tokens: int, temperature: float, top_p: float, stop: list[str]) -> dict:
+    def _kwargs(self, ids, max_tokens: int, temperature: float, top_p: float, stop: list[str], job: Job) -> dict:
+        from transformers import StoppingCriteriaList
+
         kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens)
-        kw |= dict(pad_token_id=self.tok.eos_token_id, do_sample=temperature > 0)
-        if temperature > 0:
+        # Below GREEDY_BELOW, logits / temperature overflow to inf and sampling to nan: that is greedy anyway.
+        sample = temperature >= GREEDY_BELOW
+        kw |= dict(pad_token_id=self.tok.eos_token_id, do_sample=sample, stopping_criteria=StoppingCriteriaList([job]))
+        if sample:
             kw |= dict(temperature=temperature, top_p=top_p)
         if stop:
             kw |= dict(stop_strings=stop, tokenizer=self.tok)
         return kw
 
     @staticmethod
-    def _cut(text: str, stop: list[str]) -> tuple[str, bool]:
+    def cut(text: str, stop: list[str]) -> tuple[str, bool]:
         cuts = [text.index(s) for s in stop if s in text]
         return (text[: min(cuts)], True) if cuts else (text, False)
 
-    def generate(self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: list[str]) -> dict:
+    def generate(
+        self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: list[str], job: Job
+    ) -> dict | None:
+        """The whole answer, or None when the job was stopped before the model was free."""
         ids = self._inputs(prompt, max_tokens)
-        with self.lock, torch.inference_mode():
-            out = self.model.generate(**self._kwargs(ids, max_tokens, temperature, top_p, stop))
+        if not job.acquire(self.lock):
+            return None
+        try:
+            with torch.inference_mode():
+                out = self.model.generate(**self._kwargs(ids, max_tokens, temperature, top_p, stop, job))
+        finally:
+            self.lock.release()
         new = out[0, ids.shape[1] :]
-        text, stopped = self._cut(self.tok.decode(new, skip_special_tokens=True), stop)
+        text, stopped = self.cut(self.tok.decode(new, skip_special_tokens=True), stop)
         eos = len(new) and int(new[-1]) == self.tok.eos_token_id
         finish = "stop" if stopped or eos else "length"
         return {"text": text, "tokens": int(len(new)), "finish_reason": finish}
 
-    def stream(self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: list[str]) -> Iterator[str]:
-        """Text pieces as they are generated (generation runs in its own thread, as transformers'
-        TextIteratorStreamer expects); the stop strings are cut from what is sent. The prompt is
-        checked now, so a bad one is a 4xx before the stream starts."""
-        from transformers import TextIteratorStreamer
+    def stream(
+        self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: list[str], job: Job
+    ) -> asyncio.Queue:
+        """Text pieces as they are generated, on an asyncio queue that ends with None. Generation runs in
+        its own thread and hands each piece to the event loop, so a waiting stream holds no thread. The
+        prompt is checked now, so a bad one is a 4xx before the stream starts."""
+        from transformers import TextStreamer
 
         ids = self._inputs(prompt, max_tokens)
-        timeout = self.limits.timeout_s
-        streamer = TextIteratorStreamer(self.tok, skip_prompt=True, skip_special_tokens=True, timeout=timeout)
-        kwargs = self._kwargs(ids, max_tokens, temperature, top_p, stop) | {"streamer": streamer}
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+        def put(item) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed (server shut down): nobody listens
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        class Pieces(TextStreamer):
+            def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+                if text:
+                    put(text)
+
+        streamer = Pieces(self.tok, skip_prompt=True, skip_special_tokens=True)
+        kwargs = self._kwargs(ids, max_tokens, temperature, top_p, stop, job) | {"streamer": streamer}
 
         def run():
-            with self.lock, torch.inference_mode():
-                self.model.generate(**kwargs)
+            try:
+                if job.acquire(self.lock):
+                    try:
+                        with torch.inference_mode():
+                            self.model.generate(**kwargs)
+                    finally:
+                        self.lock.release()
+            except Exception as e:  # noqa: BLE001 - reported on the stream; the server goes on
+                job.error = e
+            finally:
+                put(None)
 
-        threading.Thread(target=run, daemon=True).start()
-        return self._pieces(streamer, stop)
+        threading.Thread(target=run, daemon=True, name="gpuwise-generate").start()
+        return queue
 
-    def _pieces(self, streamer, stop: list[str]) -> Iterator[str]:
-        sent = ""
-        for piece in streamer:
-            text, stopped = self._cut(sent + piece, stop)
-            if len(text) > len(sent):
-                yield text[len(sent) :]
-                sent = text
-            if stopped:  # generation ends at the stop string too: drain what it emitted past it
-                for _ in streamer:
-                    pass
-                return
+
+GREEDY_BELOW = 1e-3
 
 
 SERVED = {"defects": Defects, "recommender": Recommender, "product-lm": ProductLM}
 
 
 def load_served(run_dir: Path, runtime: str, limits: Limits):
-    from gpuwise.train.records import load_config
+    from gpuwise.train.records import loading_model, open_finished
 
-    cfg = load_config(run_dir)
-    if not (run_dir / "summary.json").exists():
-        raise GpuwiseError(
-            f"{run_dir} has not finished training (no summary.json): `gpuwise train --resume {run_dir}` completes it"
-        )
-    return SERVED[cfg.workload](run_dir, cfg, runtime, limits), cfg
+    cfg = open_finished(run_dir)
+    with loading_model(run_dir):
+        return SERVED[cfg.workload](run_dir, cfg, runtime, limits), cfg
