@@ -458,3 +458,9 @@ def test_serve_flags_out_of_range_are_one_line(capsys, runs, argv, needle):
     assert main([str(runs["defects"]) if a == "RUN" else a for a in argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_predict_past_the_context_is_one_line(capsys, runs):
+    assert main(["predict", str(runs["product-lm"]), "x", "--max-tokens", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "exceeds the context of 512" in err and err.count("\n") == 1

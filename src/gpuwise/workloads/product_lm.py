@@ -343,5 +343,9 @@ def load_trained(run_dir: Path, cfg):
 
 def predict(run_dir: Path, cfg, inputs: list[str], max_tokens: int = 40, **_) -> list[dict]:
     model, tok = load_trained(run_dir, cfg)
+    context = getattr(model.config, "max_position_embeddings", None)
+    longest = max(len(tok(p)["input_ids"]) for p in inputs)
+    if context and longest + max_tokens > context:
+        raise GpuwiseError(f"a prompt of {longest} tokens + --max-tokens {max_tokens} exceeds the context of {context}")
     texts = generate(model, tok, inputs, max_tokens, "cpu", seed=cfg.seed)
     return [{"prompt": p, "text": t} for p, t in zip(inputs, texts, strict=True)]
