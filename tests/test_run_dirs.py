@@ -270,4 +270,4 @@ def test_a_run_dir_that_is_a_file_is_one_line(tmp_path, capsys):
     (tmp_path / "f").write_text("x")
     for argv in (["predict", tmp_path / "f", "x"], ["serve", tmp_path / "f"], ["export", tmp_path / "f"],
                  ["train", "--resume", tmp_path / "f"]):
-        one_line(capsys, argv, "no such run directory")
+        one_line(capsys, argv, ("no such run directory", "is not a gpuwise run directory (a file)"))

@@ -30,11 +30,12 @@ _DTYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
 
 def load_torch(run_dir: Path):
     """(cfg, model in eval mode, meta) of a finished defects/recommender run, or a one-line GpuwiseError."""
-    from gpuwise.train.records import loading_model, open_finished
+    from gpuwise.train.records import load_config, loading_model, require_finished
 
-    cfg = open_finished(run_dir)
+    cfg = load_config(run_dir)
     if cfg.workload not in ONNX_WORKLOADS:
         raise GpuwiseError(f"export --format onnx covers defects and recommender; {cfg.workload} serves through torch")
+    require_finished(run_dir)
     missing = [f for f in SIGNATURES[cfg.workload][2] if not (run_dir / f).exists()]
     if missing:
         raise GpuwiseError(f"{run_dir}: no {', '.join(missing)} — the run saved no model to export")

@@ -161,7 +161,8 @@ def load_config(run_dir: Path) -> TrainConfig:
     """A run's saved config, checked as strictly as the flags it came from (the file is untrusted input)."""
     path = run_dir / "config.yaml"
     if not run_dir.is_dir():
-        raise GpuwiseError(f"{run_dir}: no such run directory")
+        why = "a file" if run_dir.exists() else "no such directory"
+        raise GpuwiseError(f"{run_dir} is not a gpuwise run directory ({why})")
     try:
         if not path.is_file():
             raise FileNotFoundError
@@ -177,13 +178,17 @@ def load_config(run_dir: Path) -> TrainConfig:
     return TrainConfig.from_dict(data, where=str(path))
 
 
-def open_finished(run_dir: Path) -> TrainConfig:
-    """The config of a run that finished training, for predict, serve and export; one line if it is not one."""
-    cfg = load_config(run_dir)
+def require_finished(run_dir: Path) -> None:
     if not (run_dir / "summary.json").is_file():
         raise GpuwiseError(
             f"{run_dir} has not finished training (no summary.json): `gpuwise train --resume {run_dir}` completes it"
         )
+
+
+def open_finished(run_dir: Path) -> TrainConfig:
+    """The config of a run that finished training, for predict, serve and export; one line if it is not one."""
+    cfg = load_config(run_dir)
+    require_finished(run_dir)
     return cfg
 
 
