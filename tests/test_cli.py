@@ -101,7 +101,7 @@ def test_devices_json(capsys):
         (["plan", "--model", "llama-3.1-8b", "--task", "train"], "'train' is not one of"),
         (["plan", "--model", "llama-3.1-8b", "--catalog", "/nonexistent.csv"], "cannot read catalog file"),
         (["hardware", "h1000"], "unknown accelerator 'h1000'"),
-        (["plan", "--model", "llama-3.1-8b", "--task", "lora", "--tokens", "-5"], "--tokens must be positive"),
+        (["plan", "--model", "llama-3.1-8b", "--task", "lora", "--tokens", "-5"], "--tokens must be at least 1"),
         (["plan", "--model", "llama-3.1-8b", "--pue", "0.5"], "--pue"),
         (["plan", "--model", "llama-3.1-8b", "--batch", "0"], "at least 1"),
     ],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from enum import Enum
@@ -13,7 +12,7 @@ import typer
 from rich.console import Console
 
 from gpuwise import __version__
-from gpuwise.errors import GpuwiseError
+from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.plan.presets import PRESETS
 
 app = typer.Typer(
@@ -45,8 +44,10 @@ CatalogOpt = Annotated[
 ]
 
 
-def _emit(data: dict) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+def _emit(data) -> None:
+    from gpuwise.files import to_json
+
+    sys.stdout.write(to_json(data, indent=2) + "\n")
 
 
 def _catalog(files):
@@ -91,7 +92,7 @@ def hardware(
 
     cat = _catalog(catalog)
     if as_json:
-        accs = [cat.get(slug)] if slug else list(cat.accelerators.values())
+        accs = [cat.get(slug)] if slug is not None else list(cat.accelerators.values())
         _emit(
             {
                 "accelerators": [asdict(a) for a in accs],
@@ -99,7 +100,7 @@ def hardware(
                 "purchase_prices": [asdict(p) for p in cat.purchase if any(p.slug == a.slug for a in accs)],
             }
         )
-    elif slug:
+    elif slug is not None:
         render_accelerator(console, cat, slug)
     else:
         render_hardware(console, cat)
@@ -190,7 +191,7 @@ def plan(
     """
     from gpuwise.plan.model import resolve_model
     from gpuwise.plan.planner import make_plan
-    from gpuwise.plan.request import PlanRequest
+    from gpuwise.plan.request import PlanRequest, check_flags
 
     def val(e):
         return e.value if isinstance(e, Enum) else e
@@ -223,14 +224,24 @@ def plan(
     )
     from gpuwise.runs import db as rundb
 
+    check_flags(req)  # before the catalog and the model are read: the cheapest mistakes first
     if sum(x is not None for x in (model, workload, module)) != 1:
         raise GpuwiseError("give exactly one of --model, --workload or --module")
     if workload or module or traced:
         return _traced(model, workload, module, req, _catalog(catalog), as_json)
     cat = _catalog(catalog)
-    cat.calibration = rundb.calibration_map()
+    try:
+        cat.calibration = rundb.calibration_map()
+    except GpuwiseError as e:
+        # The record only refines the efficiency: a broken one must not cost the user the plan (nor a second
+        # warning when the plan is not recorded in it).
+        print(f"gpuwise: warning: planning without bench calibration: {e}", file=sys.stderr)
+        record = False
+    else:
+        record = True
     result = make_plan(resolve_model(model), req, cat)
-    result["record_id"] = rundb.try_record("plan", gpu or "catalog sweep", result["model"]["name"], result)
+    name = result["model"]["name"]
+    result["record_id"] = rundb.try_record("plan", gpu or "catalog sweep", name, result) if record else None
     if as_json:
         _emit(result)
     else:
@@ -285,13 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         command.main(args=argv, prog_name="gpuwise", standalone_mode=False)
     except GpuwiseError as e:
-        print(f"gpuwise: error: {e}", file=sys.stderr)
+        print(f"gpuwise: error: {_one_line(str(e))}", file=sys.stderr)
         return e.exit_code
     except UsageError as e:
         if not e.format_message():  # a bare `gpuwise`: the help was printed
             return 0
         hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
-        print(f"gpuwise: error: {e.format_message()}{hint}", file=sys.stderr)
+        print(f"gpuwise: error: {_one_line(e.format_message())}{hint}", file=sys.stderr)
         return 2
     except typer.Exit as e:
         return e.exit_code
@@ -300,7 +311,21 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as e:
+        # A bug, not bad input: still one line (and exit 1, not 2), the traceback only on request.
+        if os.environ.get("GPUWISE_DEBUG"):
+            raise
+        print(
+            f"gpuwise: error: internal error ({first_line(e)}); please report it, GPUWISE_DEBUG=1 shows where",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def _one_line(message: str) -> str:
+    """A message that quotes a file or a library's error may span lines; the user gets them as one."""
+    return "; ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
 if __name__ == "__main__":

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import sys
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -13,7 +12,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from gpuwise.cli import CatalogOpt, JsonOpt, _catalog, app, console
+from gpuwise.cli import CatalogOpt, JsonOpt, _catalog, _emit, app, console
+from gpuwise.errors import GpuwiseError
 
 
 def _pct(x) -> str:
@@ -71,14 +71,28 @@ def bench(
     """CPU vs GPU, measured: matmul per dtype, memory bandwidth, host<->device copies and a training
     step of each workload, each as a fraction of the device's peak; a PNG chart beside the JSON."""
     from gpuwise.bench.chart import draw
-    from gpuwise.bench.run import run_bench
+    from gpuwise.bench.run import parse_devices, run_bench
 
+    cat = _catalog(catalog)
+    parse_devices(device)  # a wrong --device is refused before a directory is made for it
+    out = out or Path("runs") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:  # before the minutes of measuring, not after them
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise GpuwiseError(f"--out {out}: a file of that name exists; give a directory") from None
+    except OSError as e:  # under a file, no permission, a read-only file system
+        raise GpuwiseError(f"--out {out}: cannot create the directory: {e.strerror}") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise GpuwiseError(f"--out {out}: the directory is not writable")
     status = Console(stderr=True)
     with status.status("benchmarking") as spinner:
-        result = run_bench(device, quick, _catalog(catalog), progress=lambda msg: spinner.update(msg))
-    out = out or Path("runs") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
-    result["files"] = {"json": str(out / "bench.json"), "png": str(draw(result, out / "bench.png"))}
+        result = run_bench(device, quick, cat, progress=lambda msg: spinner.update(msg))
+    try:
+        png = draw(result, out / "bench.png")
+    except OSError as e:  # a full disk, or the directory removed while we measured
+        raise GpuwiseError(f"cannot write {out / 'bench.png'}: {e.strerror}") from None
+    result["files"] = {"json": str(out / "bench.json"), "png": str(png)}
+    from gpuwise.files import to_json
     from gpuwise.runs import db as rundb
 
     keys = [r["key"] for r in result["devices"].values()]
@@ -91,9 +105,12 @@ def bench(
             for k, w in r["workloads"].items():
                 fractions |= {f"workload.{k}.{u}": w[u] for u in ("s_per_sample", "s_per_param") if u in w}
             rundb.calibrate(r["key"], fractions, result["record_id"])
-    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        (out / "bench.json").write_text(to_json(result, indent=2) + "\n")
+    except OSError as e:  # a full disk, or the directory removed while we measured
+        raise GpuwiseError(f"cannot write {out / 'bench.json'}: {e.strerror}") from None
     if as_json:
-        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        _emit(result)
     else:
         render(console, result)
         console.print(f"wrote {result['files']['json']} and {result['files']['png']}")

@@ -34,6 +34,8 @@ def report(
     if sum(chosen) != 1:
         raise GpuwiseError("give exactly one of RUN_DIR, --plan ID or --bench ID")
     if run_dir is not None:
+        if not run_dir.is_dir():
+            raise GpuwiseError(f"{run_dir}: not a directory (a finished `gpuwise train` run is expected)")
         page, target = html.run_report(run_dir), out or run_dir / "report.html"
     else:
         record_id = plan if plan is not None else bench
@@ -41,7 +43,13 @@ def report(
         kind = "plan" if plan is not None else "bench"
         if record["kind"] != kind:
             raise GpuwiseError(f"record #{record_id} is a {record['kind']}, not a {kind}")
-        page = html.plan_report(record) if kind == "plan" else html.bench_report(record)
+        try:
+            page = html.plan_report(record) if kind == "plan" else html.bench_report(record)
+        except html.DAMAGED as e:
+            raise GpuwiseError(f"record #{record_id} is damaged ({html.damaged(e)})") from None
         target = out or Path(f"{kind}-{record_id}.html")
-    target.write_text(page, encoding="utf-8")
+    try:
+        target.write_text(page, encoding="utf-8")
+    except OSError as e:  # under a file, a directory of that name, no permission, a full disk
+        raise GpuwiseError(f"cannot write the report {target}: {e.strerror}") from None
     console.print(f"wrote {target}")

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from typing import Annotated
 
 import typer
 from rich import box
 from rich.table import Table
 
-from gpuwise.cli import JsonOpt, app, console
+from gpuwise.cli import JsonOpt, _emit, app, console
 
 runs_app = typer.Typer(
     help="The record (SQLite) of every plan, bench and run: list, show, compare.", no_args_is_help=False
@@ -39,7 +37,7 @@ def runs(ctx: typer.Context, as_json: JsonOpt = False):
 
     rows = db.rows()
     if as_json:
-        sys.stdout.write(json.dumps([{k: v for k, v in r.items() if k != "data"} for r in rows], indent=2) + "\n")
+        _emit([{k: v for k, v in r.items() if k != "data"} for r in rows])
         return
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"run record: {db.default_path()}", title_justify="left")
     for col in ("id", "kind", "when (UTC)", "device", "name", "result"):
@@ -54,7 +52,7 @@ def show(record_id: Annotated[int, typer.Argument(help="A record id from `gpuwis
     """Everything recorded for one plan, bench or run (its JSON)."""
     from gpuwise.runs import db
 
-    sys.stdout.write(json.dumps(db.get(record_id), indent=2) + "\n")
+    _emit(db.get(record_id))
 
 
 @runs_app.command()
@@ -64,7 +62,7 @@ def compare(as_json: JsonOpt = False):
 
     rows = db.compare()
     if as_json:
-        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        _emit(rows)
         return
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="plan vs actual over recorded runs", title_justify="left")
     for col in ("id", "workload", "device", "memory error", "step-time error", "step time calibrated by"):

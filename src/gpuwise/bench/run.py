@@ -28,8 +28,11 @@ def parse_devices(spec: str) -> list[torch.device]:
         return [torch.device("cpu"), *cuda]
     if spec == "cpu":
         return [torch.device("cpu")]
-    if spec.startswith("cuda"):
-        dev = torch.device(spec if ":" in spec else "cuda:0")
+    if spec == "cuda" or spec.startswith("cuda:"):
+        try:
+            dev = torch.device(spec if ":" in spec else "cuda:0")
+        except RuntimeError:  # cuda:abc, cuda:-1
+            raise GpuwiseError(f"--device must be cpu, cuda:N or all, not '{spec}'") from None
         if dev not in cuda:
             raise GpuwiseError(f"--device {spec}: no such CUDA device here ({len(cuda)} found)")
         return [dev]

@@ -9,6 +9,7 @@ and because people keep prices in spreadsheets.
 from __future__ import annotations
 
 import csv
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -16,10 +17,9 @@ from importlib import resources
 from pathlib import Path
 
 from gpuwise.errors import GpuwiseError, closest
+from gpuwise.files import read_text_file
 
 ENV_VAR = "GPUWISE_CATALOG"
-
-
 @dataclass(frozen=True)
 class Accelerator:
     slug: str
@@ -126,6 +126,27 @@ TABLES: dict[str, tuple[type, dict[str, str]]] = {
     ),
 }
 _KINDS = {"gpu", "tpu", "cpu"}
+# Each number's plausible range, far beyond any real part or price, so that a unit slip (bytes/s typed as
+# GB/s, a price in cents x 1e6) is refused at its line instead of planned; the lows of the figures the
+# planner divides by (memory, bandwidth, peaks) keep its quotients finite. A peak of 0 means "none".
+_PEAK = (0.001, 1e6)
+_RANGE: dict[str, tuple[float, float]] = {
+    "mem_gb": (0.001, 1e5),
+    "mem_bw_gbs": (0.001, 1e6),
+    "fp32_tflops": _PEAK,
+    "tf32_tflops": _PEAK,
+    "bf16_tflops": _PEAK,
+    "fp16_tflops": _PEAK,
+    "fp8_tflops": _PEAK,
+    "int8_tops": _PEAK,
+    "tdp_w": (0, 1e5),
+    "nvlink_domain": (1, 1e6),
+    "max_per_node": (1, 1e6),
+    "launch_year": (1950, 2100),
+    "usd_per_gpu_hour": (0, 1e4),
+    "usd": (0, 1e10),
+    "gpus": (1, 1e6),
+}
 _SLUG = re.compile(r"^[a-z0-9][a-z0-9.\-]*$")
 
 
@@ -137,13 +158,23 @@ def _convert(path: str, line: int, column: str, kind: str, raw: str | None):
             return None if kind == _OPT else ""
         raise GpuwiseError(f"{where}: is empty, a value is required")
     if kind in (_STR, _OSTR):
+        if column == "device_names":  # matched against every GPU's name later: a broken one fails here, named
+            try:
+                re.compile(raw)
+            except re.error as e:
+                raise GpuwiseError(f"{where}: '{raw}' is not a regular expression ({e})") from None
         return raw
     try:
         value = int(raw) if kind == _INT else float(raw)
     except ValueError:
         raise GpuwiseError(f"{where}: '{raw}' is not {'an integer' if kind == _INT else 'a number'}") from None
+    if kind != _INT and not math.isfinite(value):
+        raise GpuwiseError(f"{where}: '{raw}' is not a finite number")
     if value < 0 or (kind == _INT and value == 0):
         raise GpuwiseError(f"{where}: '{raw}' must be positive")
+    low, high = _RANGE.get(column, (0, math.inf))
+    if not low <= value <= high and not (value == 0 and kind == _OPT):
+        raise GpuwiseError(f"{where}: '{raw}' must be between {low:g} and {high:g}")
     return value
 
 
@@ -151,13 +182,14 @@ def read_table(path: str | Path, text: str | None = None, origin: str | None = N
     """Parse one catalog CSV; returns (table name, rows). Errors name the line and the field."""
     path = str(path)
     if text is None:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as e:
-            raise GpuwiseError(f"cannot read catalog file {path}: {e.strerror}") from None
-        except UnicodeDecodeError:
-            raise GpuwiseError(f"{path}: not a UTF-8 text file (a CSV is expected)") from None
-    reader = csv.DictReader(text.splitlines())
+        text = read_text_file(path, "catalog file", "a CSV")
+    try:
+        return _read_rows(path, csv.DictReader(text.splitlines()), origin)
+    except csv.Error as e:  # a field over the csv module's 128 kB limit, say
+        raise GpuwiseError(f"{path}: not a readable CSV ({e})") from None
+
+
+def _read_rows(path: str, reader: csv.DictReader, origin: str | None):
     header = set(reader.fieldnames or [])
     table = next((t for t, (_, cols) in TABLES.items() if set(cols) <= header), None)
     if table is None:
@@ -189,6 +221,8 @@ class Catalog:
     calibration: dict[tuple[str, str], tuple[float, str]] = field(default_factory=dict)
 
     def get(self, slug: str) -> Accelerator:
+        if not slug.strip():
+            raise GpuwiseError("an empty accelerator name: give a slug (see `gpuwise hardware`)")
         acc = self.accelerators.get(slug.lower())
         if acc is None:
             raise GpuwiseError(

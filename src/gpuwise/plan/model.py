@@ -105,6 +105,39 @@ class ModelSpec:
         return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_value
 
 
+# The range of each whole-number dimension. The highs lie far beyond any published model (the largest dense
+# ones: 126 layers, hidden 16384, FFN 53248, vocabulary 256000, context 10 M) and refuse a unit slip such as
+# 1e30 layers before it becomes a plan; every low is 1, since a zero divides or makes an empty model.
+LIMITS: dict[str, int] = {
+    "layers": 10_000,
+    "hidden": 2**20,
+    "heads": 2**16,
+    "kv_heads": 2**16,
+    "head_dim": 2**16,
+    "ffn": 2**22,
+    "vocab": 2**24,
+    "positions": 2**30,
+    "token_types": 2**16,
+    "max_seq": 2**30,
+    "norms_per_layer": 16,
+}
+
+
+def _shown(value) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _whole(where: str, key: str, field: str, value) -> int:
+    """A dimension as a whole number in its range, or one line naming the key and what it holds."""
+    high = LIMITS[field]
+    # JSON has one number type: 32.0 is a whole number, 2.5, true, "32" and null are not.
+    whole = int(value) if isinstance(value, float) and value.is_integer() else value
+    if isinstance(whole, bool) or not isinstance(whole, int) or not 1 <= whole <= high:
+        raise GpuwiseError(f"{where}'{key}' must be a whole number from 1 to {high:,}, not {_shown(value)}")
+    return whole
+
+
 def _from_dims(text: str) -> ModelSpec:
     known = {f.name: f.type for f in fields(ModelSpec) if f.name not in ("name", "published_params")}
     aliases = {"n_layers": "layers", "d_model": "hidden", "n_heads": "heads", "intermediate": "ffn"}
@@ -112,6 +145,8 @@ def _from_dims(text: str) -> ModelSpec:
     for part in text.split(","):
         key, _, raw = part.partition("=")
         key = aliases.get(key.strip(), key.strip())
+        if not key:
+            raise GpuwiseError(f"model dimensions '{text}': a part names no dimension (a stray comma or '=')")
         if key not in known:
             raise GpuwiseError(
                 f"unknown model dimension '{key}'{closest(key, known)}; "
@@ -125,16 +160,27 @@ def _from_dims(text: str) -> ModelSpec:
         elif known[key] == "str":
             values[key] = raw
         else:
-            if not raw.isdigit() or int(raw) <= 0:
-                raise GpuwiseError(f"model dimension '{key}': '{raw}' is not a positive integer")
-            values[key] = int(raw)
+            # Twenty digits already overflow every bound; int() of thousands of them is refused by Python itself.
+            whole = raw.isascii() and raw.isdigit() and len(raw) < 20
+            values[key] = _whole("model dimension ", key, key, int(raw) if whole else raw)
     missing = [k for k in ("layers", "hidden", "heads", "ffn", "vocab") if k not in values]
     if missing:
         raise GpuwiseError(f"explicit model dimensions lack {', '.join(missing)}")
     values.setdefault("kv_heads", values["heads"])
-    values.setdefault("head_dim", values["hidden"] // values["heads"])
+    if "head_dim" not in values:
+        values["head_dim"] = _head_dim("model dimensions", "hidden", values["hidden"], "heads", values["heads"])
     values.setdefault("family", "custom")
     return _checked(ModelSpec(name="custom", **values))
+
+
+def _head_dim(where: str, hidden_key: str, hidden: int, heads_key: str, heads: int) -> int:
+    """hidden / heads when no head_dim is given: it must come out whole (and at least 1)."""
+    if hidden % heads:
+        raise GpuwiseError(
+            f"{where}: {heads_key} {heads} does not divide {hidden_key} {hidden} (give head_dim if heads are not "
+            "hidden / heads wide)"
+        )
+    return hidden // heads
 
 
 def _checked(spec: ModelSpec) -> ModelSpec:
@@ -145,85 +191,102 @@ def _checked(spec: ModelSpec) -> ModelSpec:
 
 def from_hf_config(path: Path) -> ModelSpec:
     """Read a Hugging Face config.json (a file or a model directory)."""
+    from gpuwise.files import read_text_file
+
     if path.is_dir():
         path = path / "config.json"
+    text = read_text_file(path, "model config", "a config.json")
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise GpuwiseError(f"cannot read {path}: {e.strerror}") from None
+        cfg = json.loads(text)
     except json.JSONDecodeError as e:
         raise GpuwiseError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-    except UnicodeDecodeError:
-        raise GpuwiseError(f"{path}: not a UTF-8 text file (a config.json is expected)") from None
+    except RecursionError:  # [[[[...]]]] nested deeper than the parser recurses
+        raise GpuwiseError(f"{path}: not a config.json (nested too deep)") from None
     if not isinstance(cfg, dict):
         raise GpuwiseError(f"{path}: a config.json holds one JSON object")
     kind = cfg.get("model_type", "")
-    name = cfg.get("_name_or_path") or path.parent.name or kind
+    kind = kind if isinstance(kind, str) else _shown(kind)
+    named = cfg.get("_name_or_path")
+    name = named if isinstance(named, str) and named.strip() else path.parent.name or kind
 
-    def need(*keys):
-        for k in keys:
-            if k in cfg and cfg[k] is not None:
-                return cfg[k]
-        raise GpuwiseError(f"{path}: model_type '{kind}' lacks '{keys[0]}'")
+    def num(field: str, key: str, default: int | None = None) -> int:
+        if cfg.get(key) is not None:
+            return _whole(f"{path}: ", key, field, cfg[key])
+        if default is None:
+            raise GpuwiseError(f"{path}: model_type '{kind}' lacks '{key}'")
+        return default
+
+    def flag(key: str, default: bool) -> bool:
+        value = cfg.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise GpuwiseError(f"{path}: '{key}' must be true or false, not {_shown(value)}")
+        return value
 
     if kind in ("llama", "mistral", "qwen2", "gemma", "gemma2"):
-        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        hidden, heads = num("hidden", "hidden_size"), num("heads", "num_attention_heads")
+        head_dim = num("head_dim", "head_dim", 0) or _head_dim(
+            str(path), "hidden_size", hidden, "num_attention_heads", heads
+        )
         spec = ModelSpec(
             name=name,
             family=kind,
-            layers=need("num_hidden_layers"),
+            layers=num("layers", "num_hidden_layers"),
             hidden=hidden,
             heads=heads,
-            kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
-            ffn=need("intermediate_size"),
-            vocab=need("vocab_size"),
-            tied=bool(cfg.get("tie_word_embeddings", kind.startswith("gemma"))),
+            kv_heads=num("kv_heads", "num_key_value_heads", heads),
+            head_dim=head_dim,
+            ffn=num("ffn", "intermediate_size"),
+            vocab=num("vocab", "vocab_size"),
+            tied=flag("tie_word_embeddings", kind.startswith("gemma")),
             norms_per_layer=4 if kind == "gemma2" else 2,
-            qkv_bias=kind == "qwen2" or bool(cfg.get("attention_bias", False)),
-            max_seq=cfg.get("max_position_embeddings", 0),
+            qkv_bias=kind == "qwen2" or flag("attention_bias", False),
+            max_seq=num("max_seq", "max_position_embeddings", 0),
         )
     elif kind == "gpt2":
-        hidden = need("n_embd")
+        hidden, heads = num("hidden", "n_embd"), num("heads", "n_head")
+        positions = num("positions", "n_positions")
         spec = ModelSpec(
             name=name,
             family=kind,
-            layers=need("n_layer"),
+            layers=num("layers", "n_layer"),
             hidden=hidden,
-            heads=need("n_head"),
-            kv_heads=need("n_head"),
-            head_dim=hidden // need("n_head"),
-            ffn=cfg.get("n_inner") or 4 * hidden,
-            vocab=need("vocab_size"),
+            heads=heads,
+            kv_heads=heads,
+            head_dim=_head_dim(str(path), "n_embd", hidden, "n_head", heads),
+            ffn=num("ffn", "n_inner", 4 * hidden),
+            vocab=num("vocab", "vocab_size"),
             tied=True,
             gated=False,
             norm_bias=True,
             linear_bias=True,
-            positions=need("n_positions"),
+            positions=positions,
             dropout=True,
-            max_seq=need("n_positions"),
+            max_seq=positions,
         )
     elif kind == "bert":
-        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        hidden, heads = num("hidden", "hidden_size"), num("heads", "num_attention_heads")
+        positions = num("positions", "max_position_embeddings")
         spec = ModelSpec(
             name=name,
             family=kind,
-            layers=need("num_hidden_layers"),
+            layers=num("layers", "num_hidden_layers"),
             hidden=hidden,
             heads=heads,
             kv_heads=heads,
-            head_dim=hidden // heads,
-            ffn=need("intermediate_size"),
-            vocab=need("vocab_size"),
+            head_dim=_head_dim(str(path), "hidden_size", hidden, "num_attention_heads", heads),
+            ffn=num("ffn", "intermediate_size"),
+            vocab=num("vocab", "vocab_size"),
             gated=False,
             norm_bias=True,
             linear_bias=True,
-            positions=need("max_position_embeddings"),
-            token_types=cfg.get("type_vocab_size", 2),
+            positions=positions,
+            token_types=num("token_types", "type_vocab_size", 2),
             pooler=True,
             causal=False,
             dropout=True,
-            max_seq=need("max_position_embeddings"),
+            max_seq=positions,
         )
     else:
         supported = "llama, mistral, qwen2, gemma, gemma2, gpt2, bert"
@@ -237,14 +300,23 @@ def from_hf_config(path: Path) -> ModelSpec:
 def resolve_model(text: str) -> ModelSpec:
     """MODEL as the CLI takes it: a preset name, a config.json path, or key=value dimensions."""
     key = text.strip().lower()
+    if not key:
+        raise GpuwiseError("--model is empty: give a preset, a config.json path or dimensions")
     if key in PRESETS:
         return ModelSpec(name=key, **PRESETS[key])
     if "=" in text:
         return _from_dims(text)
-    path = Path(text).expanduser()
-    if path.exists() or text.endswith(".json"):
+    shown = text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+    try:
+        path = Path(text).expanduser()
+        found = path.exists()
+    except RuntimeError:  # ~user of no such user
+        raise GpuwiseError(f"cannot read model config {shown}: no such user's home directory") from None
+    except OSError as e:  # a name too long, a path through a file the user cannot search
+        raise GpuwiseError(f"cannot read model config {shown}: {e.strerror}") from None
+    if found or text.endswith(".json"):
         return from_hf_config(path)
     raise GpuwiseError(
-        f"unknown model '{text}'{closest(key, PRESETS)}; give a preset "
+        f"unknown model '{shown}'{closest(key, PRESETS)}; give a preset "
         "(see `gpuwise plan --help`), a config.json path, or dimensions like layers=32,hidden=4096,..."
     )

@@ -145,7 +145,13 @@ def _layouts(model: ModelSpec, req: PlanRequest, acc: Accelerator, gpus: int) ->
     tps = [t for t in (1, 2, 4, 8, 16) if t <= min(gpus, node) and model.heads % t == 0]
     if not req.training:
         tp = tps[-1]  # serving shards one replica over the node's GPUs
-        return [Layout(gpus, tp, gpus // tp, 0)] if gpus % tp == 0 else []
+        if gpus % tp:
+            return []
+        # ... and pipelines it over the rest, but a stage holds at least one layer: GPUs beyond that
+        # serve further replicas side by side (data parallel), never stages with nothing in them.
+        rest = gpus // tp
+        pp = next(p for p in range(min(rest, model.layers), 0, -1) if rest % p == 0)
+        return [Layout(gpus, tp, pp, 0)]
     return [Layout(gpus, t, 1, 3 if gpus // t > 1 else 0) for t in tps]
 
 

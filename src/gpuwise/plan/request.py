@@ -6,6 +6,7 @@ validation needs to tell a flag the user set from a default.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from gpuwise.errors import GpuwiseError
@@ -124,6 +125,55 @@ class Layout:
         return " x ".join(parts) or "single GPU"
 
 
+# The range of every numeric flag: (flag, field, low, high, why). The highs lie far beyond any real job yet
+# refuse a slip of the keyboard (three zeros too many, 1e30) before it becomes figures that mean nothing;
+# the lows keep every division of the time and cost model away from zero (and so from inf).
+MAX_GPUS = 1_000_000  # 5x the largest cluster yet built (xAI Colossus, about 200,000 GPUs in 2025)
+MAX_TOKENS = 1e16  # 250x the largest published pre-training set (about 4e13 tokens in 2025)
+MAX_CONTEXT = 10_000_000  # the longest published context window (Llama 4 Scout, 10 M tokens)
+RANGES: tuple[tuple[str, str, float, float, str], ...] = (
+    ("--batch", "batch", 1, 1_000_000, "sequences per step"),
+    ("--seq", "seq", 1, MAX_CONTEXT, "tokens per sequence"),
+    ("--gen", "gen", 0, MAX_CONTEXT, "tokens generated per sequence"),
+    ("--tokens", "tokens", 1, MAX_TOKENS, "tokens in the whole job"),
+    ("--dataset-tokens", "dataset_tokens", 1, MAX_TOKENS, "tokens in the training set"),
+    ("--epochs", "epochs", 0.001, 10_000, "passes over the training set"),
+    ("--gpus", "gpus", 1, MAX_GPUS, "GPUs in the job"),
+    ("--tp", "tp", 1, MAX_GPUS, "tensor-parallel degree"),
+    ("--pp", "pp", 1, MAX_GPUS, "pipeline stages"),
+    ("--zero", "zero", 0, 3, "the ZeRO stage"),
+    ("--lora-rank", "lora_rank", 1, 65_536, "adapter rank"),
+    ("--efficiency", "efficiency", 0.001, 1, "a fraction of dense peak"),
+    ("--utilization", "utilization", 0.001, 1, "a fraction of the hardware's life"),
+    ("--life-years", "life_years", 0.1, 50, "years to amortize the purchase over"),
+    ("--kwh-usd", "kwh_usd", 0, 10, "USD per kWh; 0 is free power, retail peaks near 1"),
+    ("--pue", "pue", 1, 5, "total facility power over IT power"),
+)
+
+
+def _num(x: float) -> str:
+    if isinstance(x, int):
+        text = f"{x:,}"
+        return text if len(text) <= 24 else f"{text[:12]}... ({len(str(x))} digits)"
+    return f"{x:g}"
+
+
+def check_flags(req: PlanRequest) -> None:
+    """Every numeric flag finite and in its range, every name non-empty: the one place each is refused."""
+    for flag, name, low, high, why in RANGES:
+        value = getattr(req, name)
+        if value is None:
+            continue
+        # An int is never inf or nan (and one of 400 digits does not convert to a float to ask).
+        if (isinstance(value, float) and not math.isfinite(value)) or not low <= value <= high:
+            raise GpuwiseError(
+                f"{flag} must be at least {_num(low)} and at most {_num(high)} ({why}), not {_num(value)}"
+            )
+    for flag, text in (("--gpu", req.gpu), ("--provider", req.provider)):
+        if text is not None and not text.strip():
+            raise GpuwiseError(f"{flag} is empty: leave it out, or name one (see `gpuwise hardware`)")
+
+
 def validate(req: PlanRequest, model: ModelSpec) -> None:
     """Refuse the combinations that cannot mean anything, with the reason."""
 
@@ -132,8 +182,7 @@ def validate(req: PlanRequest, model: ModelSpec) -> None:
 
     if req.task not in TASKS:
         bad(f"unknown task '{req.task}' (one of: {', '.join(TASKS)})")
-    if req.batch < 1 or req.seq < 1:
-        bad("--batch and --seq must be at least 1")
+    check_flags(req)
     if req.training:
         if req.gen is not None:
             bad(f"--gen (tokens generated) applies to inference, not to {req.task}")
@@ -151,8 +200,6 @@ def validate(req: PlanRequest, model: ModelSpec) -> None:
         ):
             if value is not None:
                 bad(f"{flag} applies to training tasks, not to inference")
-        if req.gen is not None and req.gen < 0:
-            bad("--gen must be 0 or more")
         if not model.causal and req.gen:
             bad(f"{model.name} is an encoder ({model.family}): it generates no tokens, use --gen 0")
     if not req.adapters and (req.lora_rank is not None or req.lora_targets is not None):
@@ -164,37 +211,14 @@ def validate(req: PlanRequest, model: ModelSpec) -> None:
         bad("fp8 training is for full fine-tuning and pre-training (Transformer Engine), not LoRA/QLoRA")
     if req.lora_targets not in (None, "all-linear", "attn"):
         bad(f"--lora-targets must be all-linear or attn, not '{req.lora_targets}'")
-    if req.lora_rank is not None and req.lora_rank < 1:
-        bad("--lora-rank must be at least 1")
+    if req.lora_rank is not None and req.lora_rank > model.hidden:
+        bad(f"--lora-rank {req.lora_rank} is wider than {model.name}'s hidden size {model.hidden}: no low-rank left")
     if req.seq > model.max_seq > 0:
         bad(f"--seq {req.seq} is longer than {model.name}'s context of {model.max_seq} tokens")
     tp, pp = req.tp or 1, req.pp or 1
-    if tp < 1 or pp < 1:
-        bad("--tp and --pp must be at least 1")
     if tp > model.heads or model.heads % tp:
         bad(f"--tp {tp} must divide {model.name}'s {model.heads} attention heads")
     if pp > model.layers:
         bad(f"--pp {pp} is more pipeline stages than {model.name}'s {model.layers} layers")
-    if req.gpus is not None:
-        if req.gpus < 1:
-            bad("--gpus must be at least 1")
-        if req.gpus % (tp * pp):
-            bad(f"--gpus {req.gpus} is not a multiple of --tp x --pp = {tp * pp}")
-    if req.zero is not None and req.zero not in (0, 1, 2, 3):
-        bad("--zero must be 0, 1, 2 or 3")
-    for flag, value in (
-        ("--tokens", req.tokens),
-        ("--epochs", req.epochs),
-        ("--dataset-tokens", req.dataset_tokens),
-        ("--life-years", req.life_years),
-        ("--kwh-usd", req.kwh_usd),
-        ("--pue", req.pue),
-    ):
-        if value is not None and not value > 0:
-            bad(f"{flag} must be positive, not {value:g}")
-    if req.pue is not None and req.pue < 1:
-        bad("--pue is total facility power over IT power: 1 or more")
-    if req.efficiency is not None and not 0 < req.efficiency <= 1:
-        bad("--efficiency is a fraction of peak: 0 < F <= 1")
-    if req.utilization is not None and not 0 < req.utilization <= 1:
-        bad("--utilization is a fraction: 0 < F <= 1")
+    if req.gpus is not None and req.gpus % (tp * pp):
+        bad(f"--gpus {req.gpus} is not a multiple of --tp x --pp = {tp * pp}")

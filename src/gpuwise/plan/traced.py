@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from gpuwise.errors import GpuwiseError
+from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.hardware.catalog import Accelerator
 from gpuwise.plan.request import ALLOCATOR_SLACK, EFFICIENCY, OVERHEAD_BYTES
 
@@ -79,11 +79,16 @@ def module_factory(spec: str):
         raise GpuwiseError(f"--module {spec}: expected package.module:factory")
     try:
         factory = getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise GpuwiseError(f"--module {spec}: {e}") from None
+    except (ImportError, AttributeError, ValueError) as e:  # ValueError: an empty or relative module name
+        raise GpuwiseError(f"--module {spec}: {first_line(e)}") from None
+    except Exception as e:  # the module ran on import, and failed: the user's code, as one line
+        raise GpuwiseError(f"--module {spec}: importing it failed: {first_line(e)}") from None
 
     def build():
-        model, batch = factory()
+        made = factory()
+        if not (isinstance(made, tuple | list) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+            raise GpuwiseError(f"--module {spec}: the factory must return (model, example batch), a torch module first")
+        model, batch = made
         if isinstance(batch, dict):
             return model, lambda: _loss_of(model(**batch))
         if isinstance(batch, tuple | list):
@@ -108,15 +113,41 @@ def workload_factory(name: str):
     return build
 
 
+# Tracing steps through every layer in Python, seconds of CPU each: the largest published dense models have
+# 126 to 160 layers, and past this a typo would hold the terminal for hours.
+MAX_TRACED_LAYERS = 256
+# torch counts a tensor's elements in a signed 64-bit integer, even for a fake tensor.
+MAX_ELEMENTS = 2**62
+# The fake process group costs milliseconds per rank to set up and shard over (131,072 ranks ran past five
+# minutes); the analytic sweep stops at 4096 GPUs as well, and FSDP past that is run hybrid-sharded.
+MAX_TRACED_SHARDS = 4096
+
+
 def spec_factory(spec, batch: int, seq: int):
     """A transformers model from the analytic planner's ModelSpec (Llama-style families)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
     if spec.family not in ("llama", "mistral", "qwen2", "custom") or not spec.gated or spec.linear_bias:
         raise GpuwiseError(
             f"traced planning builds Llama-style models; {spec.name} is {spec.family}: "
             "use the analytic planner, or --module with your own factory"
         )
+    if spec.layers > MAX_TRACED_LAYERS:
+        raise GpuwiseError(
+            f"--traced steps through every layer (seconds each): {spec.name} has {spec.layers}, the most it "
+            f"traces is {MAX_TRACED_LAYERS}; plan it without --traced"
+        )
+    largest = {  # the widest tensors of an eager Llama step
+        "attention scores": batch * spec.heads * seq * seq,
+        "logits": batch * seq * spec.vocab,
+        "MLP activations": batch * seq * spec.ffn,
+    }
+    for what, n in largest.items():
+        if n > MAX_ELEMENTS:
+            raise GpuwiseError(
+                f"--traced: the {what} of --batch {batch} x --seq {seq} would hold {n:.3g} elements, more than "
+                "torch can count (2**63); plan it without --traced"
+            )
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
     config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if spec.qkv_bias else (LlamaConfig, LlamaForCausalLM)
     config = config_cls(
         vocab_size=spec.vocab,
@@ -177,10 +208,20 @@ def trace(name: str, build, acc: Accelerator, precision: str, shards: int = 1) -
     peak = acc.peak_tflops(precision)
     if not peak:
         raise GpuwiseError(f"no dense {precision} peak for {acc.name} in the catalog")
-    if shards > 1:
-        with fake_process_group(shards) as mesh:
-            return _trace(name, build, acc, precision, peak, mesh)
-    return _trace(name, build, acc, precision, peak, None)
+    if shards > MAX_TRACED_SHARDS:
+        raise GpuwiseError(
+            f"--traced shards over a fake process group, one rank at a time: at most {MAX_TRACED_SHARDS} "
+            f"--gpus, not {shards:,}; plan larger jobs without --traced"
+        )
+    try:
+        if shards > 1:
+            with fake_process_group(shards) as mesh:
+                return _trace(name, build, acc, precision, peak, mesh)
+        return _trace(name, build, acc, precision, peak, None)
+    except GpuwiseError:
+        raise
+    except Exception as e:  # a --module factory or model is the user's code: its error, as one line
+        raise GpuwiseError(f"tracing {name} failed: {first_line(e)}") from None
 
 
 def _trace(name: str, build, acc: Accelerator, precision: str, peak: float, mesh) -> Traced:

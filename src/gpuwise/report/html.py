@@ -7,7 +7,7 @@ import html
 import json
 from pathlib import Path
 
-from gpuwise.errors import GpuwiseError
+from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.report import plots
 
 STYLE = """body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;color:#222}
@@ -38,14 +38,57 @@ def _page(title: str, parts: list[str]) -> str:
     )
 
 
-def run_report(run_dir: Path) -> str:
+# A long run logs a line per step: a million steps is ~200 MB. Past this, the file is not a metrics log.
+MAX_METRICS_BYTES = 512 * 2**20
+
+
+def _read_run(run_dir: Path) -> tuple[dict, list[dict]]:
+    """summary.json and metrics.jsonl of a finished run, or one line saying which is missing or damaged."""
+    from gpuwise.files import MAX_FILE_BYTES, read_text_file
+
+    texts = {}
+    for name, limit in (("summary.json", MAX_FILE_BYTES), ("metrics.jsonl", MAX_METRICS_BYTES)):
+        try:
+            found = (run_dir / name).exists()
+        except OSError as e:  # a name too long
+            raise GpuwiseError(f"{run_dir}: {e.strerror}") from None
+        if not found:
+            raise GpuwiseError(f"{run_dir}: not a finished gpuwise run ({name} is missing)")
+        texts[name] = read_text_file(run_dir / name, "run file", f"the {name} gpuwise train writes", limit)
+    metrics = texts["metrics.jsonl"].splitlines()
+    rows = [_json_object(f"{run_dir / 'metrics.jsonl'}:{n}", line) for n, line in enumerate(metrics, 1) if line.strip()]
+    return _json_object(str(run_dir / "summary.json"), texts["summary.json"]), rows
+
+
+def _json_object(where: str, text: str) -> dict:
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    except FileNotFoundError as e:
-        raise GpuwiseError(f"{run_dir}: not a finished gpuwise run ({Path(e.filename).name} is missing)") from None
-    except json.JSONDecodeError as e:
-        raise GpuwiseError(f"{run_dir}: a record is not valid JSON ({e.msg})") from None
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        value = None
+    if not isinstance(value, dict):
+        raise GpuwiseError(f"{where}: not a JSON object as gpuwise train writes it (truncated or edited?)")
+    return value
+
+
+# What a page builder raises when the JSON it reads parses but is not what gpuwise wrote (a field missing,
+# a string where a number was): the files and the record are untrusted input, hand-edited or damaged.
+DAMAGED = (KeyError, TypeError, ValueError, AttributeError, IndexError)
+
+
+def damaged(e: Exception) -> str:
+    """What was wrong, as few words: the missing field where there is one."""
+    return f"no '{e.args[0]}'" if isinstance(e, KeyError) else f"a value of the wrong kind: {first_line(e)}"
+
+
+def run_report(run_dir: Path) -> str:
+    summary, rows = _read_run(run_dir)
+    try:
+        return _run_page(summary, rows)
+    except DAMAGED as e:
+        raise GpuwiseError(f"{run_dir}: not what gpuwise train writes ({damaged(e)})") from None
+
+
+def _run_page(summary: dict, rows: list[dict]) -> str:
     train = [r for r in rows if "loss" in r]
     s, ev, base = summary, summary["eval"], summary.get("baseline", {})
     parts = [

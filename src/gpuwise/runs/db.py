@@ -7,13 +7,16 @@ short transaction). Default location: the user's data directory; ``--db`` or GPU
 from __future__ import annotations
 
 import json
+import math
 import os
 import sqlite3
+import stat
 import time
 from contextlib import closing
 from pathlib import Path
 
 from gpuwise.errors import GpuwiseError
+from gpuwise.files import to_json
 
 ENV_VAR = "GPUWISE_DB"
 SCHEMA = """
@@ -45,8 +48,33 @@ def default_path() -> Path:
     return Path(user_data_dir("gpuwise")) / "runs.sqlite"
 
 
+def _refuse_odd(path: Path) -> None:
+    """SQLite opens whatever the path names: a FIFO would block it for ever and a directory or device gives
+    an error that does not say which file; refuse them by name first."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return  # created on first use
+    except OSError as e:  # under a file (/etc/passwd/x), a loop of links, no permission
+        raise GpuwiseError(f"cannot open the run record {path}: {e.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise GpuwiseError(f"cannot open the run record {path}: it is a directory (an SQLite file is expected)")
+    if not stat.S_ISREG(mode):
+        raise GpuwiseError(f"cannot open the run record {path}: not a regular file (a device, FIFO or socket)")
+
+
+def _check_schema(con: sqlite3.Connection, path: Path) -> None:
+    """Another program's SQLite file would pass the CREATE IF NOT EXISTS and fail every query later."""
+    for table, wanted in (("records", {"id", "kind", "data"}), ("calibration", {"device", "key", "fraction"})):
+        have = {row[1] for row in con.execute(f"PRAGMA table_info({table})")}
+        if not wanted <= have:
+            con.close()
+            raise GpuwiseError(f"{path} is not a gpuwise run record (its '{table}' table is another program's)")
+
+
 def connect(path: Path | None = None) -> sqlite3.Connection:
     path = Path(path) if path else default_path()
+    _refuse_odd(path)
     # Two processes creating the file at once race on switching it to WAL, and that switch does not wait
     # on SQLite's busy timeout: retry it for a while (WAL then persists in the file, later opens skip it).
     for attempt in range(60):
@@ -56,6 +84,7 @@ def connect(path: Path | None = None) -> sqlite3.Connection:
             if con.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
                 con.execute("PRAGMA journal_mode=WAL")
             con.executescript(SCHEMA)
+            _check_schema(con, path)
             return con
         except sqlite3.OperationalError as e:
             if "locked" not in str(e) and "busy" not in str(e):
@@ -74,7 +103,7 @@ def record(kind: str, device: str, name: str, data: dict, run_dir: str | None = 
     with closing(connect(path)) as con, con:
         cur = con.execute(
             "INSERT INTO records (kind, created, device, name, run_dir, data) VALUES (?, ?, ?, ?, ?, ?)",
-            (kind, now(), device, name, run_dir, json.dumps(data, default=str)),
+            (kind, now(), device, name, run_dir, to_json(data)),
         )
         return int(cur.lastrowid)
 
@@ -83,8 +112,13 @@ def calibrate(device: str, fractions: dict[str, float], record_id: int, path: Pa
     with closing(connect(path)) as con, con:
         con.executemany(
             "INSERT OR REPLACE INTO calibration (device, key, fraction, record_id, updated) VALUES (?, ?, ?, ?, ?)",
-            [(device, key, value, record_id, now()) for key, value in fractions.items() if value],
+            [(device, key, value, record_id, now()) for key, value in fractions.items() if _usable(value)],
         )
+
+
+def _usable(value) -> bool:
+    """A measured fraction or time worth planning with: a noisy fit can come out negative, a failed one nan."""
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
 def calibration(device: str, key: str, path: Path | None = None) -> tuple[float, str] | None:
@@ -98,7 +132,7 @@ def calibration(device: str, key: str, path: Path | None = None) -> tuple[float,
         row = con.execute(
             "SELECT fraction, record_id, updated FROM calibration WHERE device = ? AND key = ?", (device, key)
         ).fetchone()
-    if row is None:
+    if row is None or not _usable(row[0]):
         return None
     return row[0], f"measured by gpuwise bench on {device} ({key}, record #{row[1]}, {row[2]})"
 
@@ -111,7 +145,18 @@ def rows(kind: str | None = None, path: Path | None = None) -> list[dict]:
             query, args = query + " WHERE kind = ?", (kind,)
         out = con.execute(query + " ORDER BY id", args).fetchall()
     keys = ("id", "kind", "created", "device", "name", "run_dir", "data")
-    return [dict(zip(keys, r, strict=True)) | {"data": json.loads(r[6])} for r in out]
+    return [dict(zip(keys, r, strict=True)) | {"data": _data(r[0], r[6], path)} for r in out]
+
+
+def _data(record_id: int, text, path: Path | None) -> dict:
+    try:
+        data = json.loads(text)
+    except (TypeError, ValueError, RecursionError):
+        data = None
+    if not isinstance(data, dict):
+        where = Path(path) if path else default_path()
+        raise GpuwiseError(f"record #{record_id} in {where} is damaged: its data is not a JSON object")
+    return data
 
 
 def get(record_id: int, path: Path | None = None) -> dict:
@@ -149,7 +194,7 @@ def calibration_map(path: Path | None = None) -> dict[tuple[str, str], tuple[flo
             f"measured by gpuwise bench on {device} ({key}, record #{rid}, {when})",
         )
         for device, key, fraction, rid, when in found
-        if device.startswith("cuda:")
+        if str(device).startswith("cuda:") and _usable(fraction)  # the file may be hand-edited
     }
 
 
