@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 
-from gpuwise.cli import JsonOpt, app, console
+from gpuwise.cli import JsonOpt, _emit, app, console
 from gpuwise.errors import GpuwiseError
 
 WORKLOAD_HELP = "defects (ELPV solar cells), recommender (MovieLens), product-lm (fine-food reviews)."
@@ -130,7 +128,7 @@ def train(
     if summary is None:  # not rank 0: the first process reports
         return
     if as_json:
-        sys.stdout.write(json.dumps(summary, indent=2, default=str) + "\n")
+        _emit(summary)
     else:
         render(console, summary)
 
@@ -158,7 +156,7 @@ def predict(
     with loading_model(run_dir):
         results = run(run_dir, cfg, inputs, k=k, max_tokens=max_tokens)
     if as_json:
-        sys.stdout.write(json.dumps(results, indent=2) + "\n")
+        _emit(results)
         return
     for r in results:
         if "items" in r:

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from gpuwise.errors import GpuwiseError, first_line
+from gpuwise.files import read_text_file, to_json
 from gpuwise.train.config import TrainConfig
 
 
@@ -32,7 +33,7 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 LOCK = ".lock"
-MAX_CONFIG_BYTES = 1 << 20  # a config.yaml is a few hundred bytes; a larger one is not ours
+MAX_CONFIG_BYTES = 1 << 20  # a config.yaml is a few hundred bytes: a larger one is not ours
 
 
 def _oserror(what: str, e: OSError) -> GpuwiseError:
@@ -163,15 +164,12 @@ def load_config(run_dir: Path) -> TrainConfig:
     if not run_dir.is_dir():
         why = "a file" if run_dir.exists() else "no such directory"
         raise GpuwiseError(f"{run_dir} is not a gpuwise run directory ({why})")
+    if not path.exists():
+        raise GpuwiseError(f"{run_dir} is not a gpuwise run directory (no config.yaml)")
+    text = read_text_file(path, "run config", "the config.yaml gpuwise train writes", limit=MAX_CONFIG_BYTES)
     try:
-        if not path.is_file():
-            raise FileNotFoundError
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise GpuwiseError(f"{path}: over {MAX_CONFIG_BYTES:,} bytes; not a gpuwise config")
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise GpuwiseError(f"{run_dir} is not a gpuwise run directory (no config.yaml)") from None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
         raise GpuwiseError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise GpuwiseError(f"{path} does not hold a config mapping")
@@ -248,7 +246,7 @@ class Recorder:
         every 10th (each scalar costs ~60 us of protobuf, which a small model's step would feel)."""
         if not self.enabled:
             return
-        self._metrics.write(json.dumps({"step": step, **values}) + "\n")
+        self._metrics.write(to_json({"step": step, **values}) + "\n")
         self._metrics.flush()
         for key, value in values.items():
             if isinstance(value, int | float) and (key == "loss" or key.startswith("eval/") or step % 10 == 0):
@@ -256,7 +254,7 @@ class Recorder:
 
     def summary(self, data: dict) -> None:
         if self.enabled:
-            write_atomic(self.run_dir / "summary.json", json.dumps(data, indent=2, default=str) + "\n")
+            write_atomic(self.run_dir / "summary.json", to_json(data, indent=2) + "\n")
 
     def close(self) -> None:
         if self.enabled and not self._metrics.closed:
