@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/lm_vs_hf.py
 	$(BIN)/python benchmarks/traced_vs_measured.py
 	$(BIN)/python benchmarks/serve_load.py
+	$(BIN)/python benchmarks/serve_abuse.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache
