@@ -72,8 +72,14 @@ def serve(
     from gpuwise.serve.app import Settings, create_app, server_config
     from gpuwise.serve.models import Limits, load_served
 
-    numbers = {"--timeout": timeout, "--read-timeout": read_timeout, "--max-body-mb": max_body_mb}
-    for flag, value in (numbers | {"--max-wait-ms": max_wait_ms, "--grace": grace}).items():
+    floats = (
+        ("--timeout", timeout),
+        ("--read-timeout", read_timeout),
+        ("--max-body-mb", max_body_mb),
+        ("--max-wait-ms", max_wait_ms),
+        ("--grace", grace),
+    )
+    for flag, value in floats:
         if math.isnan(value):  # click's range check lets nan through (every comparison with it is false)
             raise GpuwiseError(f"{flag} must be a number, not nan")
     if runtime not in ("torch", "onnx"):

@@ -20,6 +20,8 @@ from gpuwise.errors import GpuwiseError, closest
 from gpuwise.files import read_text_file
 
 ENV_VAR = "GPUWISE_CATALOG"
+
+
 @dataclass(frozen=True)
 class Accelerator:
     slug: str

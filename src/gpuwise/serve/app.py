@@ -365,53 +365,48 @@ def create_app(served, settings: Settings, run_id: str, precision: str):
     return Guard(app, settings.api_key, limits, metrics)
 
 
-class _Protocol:
+def _protocol_with_header_deadline(read_timeout_s: float):
     """uvicorn's HTTP protocol with a deadline on the request's headers. uvicorn times out an idle
     keep-alive connection only after a response; a client that connects and sends nothing, or one
     header byte every few seconds, would hold its connection forever."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    @staticmethod
-    def make(read_timeout_s: float):
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    class Protocol(HttpToolsProtocol):
+        _header_timer = None
 
-        class Protocol(HttpToolsProtocol):
-            _header_timer = None
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(read_timeout_s, self._expire)
 
-            def _arm(self) -> None:
-                self._disarm()
-                self._header_timer = self.loop.call_later(read_timeout_s, self._expire)
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
 
-            def _disarm(self) -> None:
-                if self._header_timer is not None:
-                    self._header_timer.cancel()
-                    self._header_timer = None
+        def _expire(self) -> None:
+            if not self.transport.is_closing():
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                self.transport.close()
 
-            def _expire(self) -> None:
-                if not self.transport.is_closing():
-                    self.transport.write(
-                        b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-                    )
-                    self.transport.close()
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
 
-            def connection_made(self, transport) -> None:
-                super().connection_made(transport)
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            waiting = bool(self.pipeline)  # a pipelined request already has its headers
+            super().on_response_complete()
+            if not waiting and not self.transport.is_closing():
                 self._arm()
 
-            def on_headers_complete(self) -> None:
-                self._disarm()
-                super().on_headers_complete()
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
 
-            def on_response_complete(self) -> None:
-                waiting = bool(self.pipeline)  # a pipelined request already has its headers
-                super().on_response_complete()
-                if not waiting and not self.transport.is_closing():
-                    self._arm()
-
-            def connection_lost(self, exc) -> None:
-                self._disarm()
-                super().connection_lost(exc)
-
-        return Protocol
+    return Protocol
 
 
 def server_config(app, host: str, port: int, limits: Limits, grace: float = 30.0):
@@ -424,7 +419,7 @@ def server_config(app, host: str, port: int, limits: Limits, grace: float = 30.0
         host=host,
         port=port,
         log_level="warning",
-        http=_Protocol.make(limits.read_timeout_s),
+        http=_protocol_with_header_deadline(limits.read_timeout_s),
         limit_concurrency=limits.max_connections,
         timeout_keep_alive=5,
         timeout_graceful_shutdown=grace,

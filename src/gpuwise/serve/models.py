@@ -47,6 +47,10 @@ class Limits:
     max_connections: int = 256  # open at once; a 503 beyond
 
 
+# A temperature below this samples as greedy: logits / temperature would overflow to inf, sampling to nan.
+GREEDY_BELOW = 1e-3
+
+
 class Job:
     """One generation's off switch: thrown when its client leaves, when its time is up, or when a stop
     string has been sent. The model checks it at every token (a transformers stopping criterion) and
@@ -227,7 +231,6 @@ class ProductLM:
         from transformers import StoppingCriteriaList
 
         kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens)
-        # Below GREEDY_BELOW, logits / temperature overflow to inf and sampling to nan: that is greedy anyway.
         sample = temperature >= GREEDY_BELOW
         kw |= dict(pad_token_id=self.tok.eos_token_id, do_sample=sample, stopping_criteria=StoppingCriteriaList([job]))
         if sample:
@@ -297,9 +300,6 @@ class ProductLM:
 
         threading.Thread(target=run, daemon=True, name="gpuwise-generate").start()
         return queue
-
-
-GREEDY_BELOW = 1e-3
 
 
 SERVED = {"defects": Defects, "recommender": Recommender, "product-lm": ProductLM}

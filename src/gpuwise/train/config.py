@@ -60,7 +60,6 @@ class TrainConfig:
     def validate(self, check_paths: bool = True) -> None:
         """Every value in range, or one line naming the flag. `check_paths=False` for a finished run's
         saved config, whose --data may since have moved (serving does not read it)."""
-        self.check_types("a flag")
         if self.workload not in WORKLOADS:
             raise GpuwiseError(f"unknown workload '{self.workload}'{closest(self.workload, WORKLOADS)}")
         for name, allowed in (

@@ -443,6 +443,6 @@ def _progress(console, total: int, start: int):
 
 
 def resume(run_dir: Path, console=None) -> dict:
-    if not run_dir.is_dir():
+    if not run_dir.is_dir():  # before load_config, so that the message names the flag
         raise GpuwiseError(f"--resume {run_dir}: no such run directory")
     return train(load_config(run_dir), resume_dir=run_dir, console=console)
