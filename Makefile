@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/traced_vs_measured.py
 	$(BIN)/python benchmarks/serve_load.py
 	$(BIN)/python benchmarks/serve_abuse.py
+	$(BIN)/python benchmarks/cpu_allocator.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache

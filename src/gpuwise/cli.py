@@ -13,6 +13,7 @@ from rich.console import Console
 
 from gpuwise import __version__
 from gpuwise.errors import GpuwiseError, first_line
+from gpuwise.hardware.cpu import retain_freed_memory
 from gpuwise.plan.presets import PRESETS
 
 app = typer.Typer(
@@ -293,6 +294,7 @@ import gpuwise.cli_train  # noqa: E402,F401  (registers train and predict on the
 def main(argv: list[str] | None = None) -> int:
     """Entry point: bad input of any kind is one line on stderr and exit code 2, never a traceback."""
     command = typer.main.get_command(app)
+    retain_freed_memory()
     try:
         command.main(args=argv, prog_name="gpuwise", standalone_mode=False)
     except GpuwiseError as e:

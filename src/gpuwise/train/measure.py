@@ -158,6 +158,9 @@ class PeakMemory:
 
     def _reset_hwm(self) -> bool:
         try:
+            from gpuwise.hardware.cpu import release_freed_memory
+
+            release_freed_memory()  # memory kept from set-up would hide the steps' own growth
             Path("/proc/self/clear_refs").write_text("5")
             self._status("VmHWM")
             return True
