@@ -56,7 +56,7 @@ def max_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def test_defects_onnx_matches_torch_at_every_batch_size(defects_run, cells):
-    model = load_torch(defects_run)[1]
+    model = load_torch(defects_run)[2]
     files = sorted(cells.rglob("*.png"))[::3]  # both class folders
     x = to_tensor(np.stack([read_image(f, 32) for f in files]))
     forward = onnx_forward(defects_run / "model.onnx")
@@ -71,12 +71,12 @@ def test_defects_onnx_matches_torch_at_every_batch_size(defects_run, cells):
 
 
 def test_recommender_onnx_matches_torch_at_every_batch_size(recommender_run):
-    model = load_torch(recommender_run)[1]
-    n_items = model.item.num_embeddings
+    model = load_torch(recommender_run)[2]  # users -> every item's score, as exported
+    n_items = model.mf.item.num_embeddings
     forward = onnx_forward(recommender_run / "model.onnx")
     for users in (np.arange(0, 40, 3), np.array([7]), np.array([39, 0, 5, 5, 12])):
         with torch.no_grad():
-            expected = model.all_scores(torch.from_numpy(users)).numpy()
+            expected = model(torch.from_numpy(users)).numpy()
         got = forward(users)
         assert got.shape == (len(users), n_items)
         assert max_diff(got, expected) < TOL
@@ -119,7 +119,7 @@ def bad_runs(root: Path, defects_run: Path) -> dict:
     shutil.copytree(defects_run, no_weights)
     (no_weights / "model.safetensors").unlink()
     return {
-        "product-lm": ([str(root / "lm")], "covers defects and recommender; product-lm serves through torch"),
+        "product-lm": ([str(root / "lm")], "does not apply to product-lm: it serves through torch"),
         "unfinished": ([str(unfinished)], "has not finished training (no summary.json)"),
         "no weights": ([str(no_weights)], "no model.safetensors"),
         "not a run": ([str(root / "nowhere")], "not a gpuwise run directory"),

@@ -82,7 +82,7 @@ def test_resnet50_training_flops_behind_the_gpu_projection():
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import ResNetConfig, ResNetForImageClassification
 
-    from gpuwise.train.report import RESNET50_TRAIN_FLOPS
+    from gpuwise.hardware.reference import RESNET50_TRAIN_FLOPS
 
     model = ResNetForImageClassification(ResNetConfig(num_labels=1000))
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(25.56e6, rel=1e-3)

@@ -43,7 +43,8 @@ class Server:
         import uvicorn
 
         from gpuwise.serve.app import Settings, create_app, server_config
-        from gpuwise.serve.models import Limits, load_served
+        from gpuwise.serve.models import load_served
+        from gpuwise.workloads.serving import Limits
 
         limits = Limits(**settings.pop("limits", {}))
         served, _ = load_served(run, settings.get("runtime", "torch"), limits)
@@ -421,7 +422,7 @@ def test_numeric_and_text_edges_are_4xx_and_a_500_is_counted(runs, monkeypatch):
                      b'{"prompt": "x", "top_p": -Infinity}', b'{"prompt": "\\udc80"}', b'{"prompt": "\xff\xfe"}'):
             r = c.post("/v1/generate", content=body, headers={"content-type": "application/json"})
             assert 400 <= r.status_code < 500 and "detail" in r.json(), (body, r.status_code, r.text)
-    from gpuwise.serve.models import Recommender
+    from gpuwise.workloads.recommender import Served as Recommender
 
     with Server(runs["recommender"]) as c:
         for body in (b'{"user": "\\udc80"}', b'{"user": "\xc3\x28"}', b'{"user": 1e400}', b'{"user": [1]}'):

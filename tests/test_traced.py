@@ -61,13 +61,11 @@ def test_traced_plans_your_own_module(capsys, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["plan", "--workload", "defects"], "add --gpu SLUG"),
     (["plan", "--workload", "detects", "--gpu", "l4", "--task", "finetune"], "unknown workload 'detects'"),
     (["plan", "--module", "nowhere", "--gpu", "l4", "--task", "finetune"], "expected package.module:factory"),
     (["plan", "--module", "no_such_pkg:f", "--gpu", "l4", "--task", "finetune"], "No module named 'no_such_pkg'"),
     (["plan", "--model", "llama-2-7b", "--workload", "defects"], "exactly one of --model, --workload or --module"),
     (["plan"], "exactly one of --model, --workload or --module"),
-    (["plan", "--workload", "defects", "--gpu", "l4"], "use --task finetune or pretrain"),
     (["plan", "--workload", "defects", "--gpu", "l4", "--task", "finetune", "--gpus", "8", "--tp", "2"],
      "plan TP/PP layouts without --traced"),
     (["plan", "--model", "llama-2-7b", "--traced", "--gpu", "l4", "--task", "finetune", "--checkpointing", "full"],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -27,11 +27,12 @@ console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ e
 # typer vendors click since 0.20; reach its UsageError through a public class, whichever click it is.
 UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 
-Task = Enum("Task", {t: t for t in ("inference", "finetune", "lora", "qlora", "pretrain")}, type=str)
-Precision = Enum("Precision", {p: p for p in ("fp32", "bf16", "fp16", "fp8")}, type=str)
-Optimizer = Enum("Optimizer", {o: o for o in ("adamw", "adamw-8bit", "sgd")}, type=str)
-Checkpointing = Enum("Checkpointing", {c: c for c in ("none", "selective", "full")}, type=str)
-LoraTargets = Enum("LoraTargets", {t: t for t in ("all-linear", "attn")}, type=str)
+# StrEnum: a member is its value, so the plan request takes them as plain strings.
+Task = StrEnum("Task", {t: t for t in ("inference", "finetune", "lora", "qlora", "pretrain")})
+Precision = StrEnum("Precision", {p: p for p in ("fp32", "bf16", "fp16", "fp8")})
+Optimizer = StrEnum("Optimizer", {o: o for o in ("adamw", "adamw-8bit", "sgd")})
+Checkpointing = StrEnum("Checkpointing", {c: c for c in ("none", "selective", "full")})
+LoraTargets = StrEnum("LoraTargets", {t: t for t in ("all-linear", "attn")})
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
 CatalogOpt = Annotated[
@@ -134,7 +135,7 @@ def plan(
         ),
     ] = None,
     workload: Annotated[
-        Optional[str], typer.Option(help="Trace a gpuwise workload's model instead: defects, recommender, product-lm.")
+        Optional[str], typer.Option(help="Trace a gpuwise workload's model instead (the names: gpuwise train --help).")
     ] = None,
     module: Annotated[
         Optional[str],
@@ -143,7 +144,9 @@ def plan(
     traced: Annotated[
         bool, typer.Option("--traced", help="Plan by running one training step on fake tensors (any PyTorch model).")
     ] = False,
-    task: Annotated[Task, typer.Option(help="What to plan for.")] = Task.inference,
+    task: Annotated[
+        Optional[Task], typer.Option(help="What to plan for; default: inference, or finetune when tracing.")
+    ] = None,
     batch: Annotated[int, typer.Option(help="Sequences per step (per micro-batch when training).")] = 1,
     seq: Annotated[int, typer.Option(help="Tokens per sequence (the prompt, for inference).")] = 2048,
     gen: Annotated[Optional[int], typer.Option(help="Inference: tokens generated per sequence [256].")] = None,
@@ -155,8 +158,12 @@ def plan(
         Optional[float], typer.Option(help="Tokens in the training set [fine-tune: 10 M; pre-train: 20 x params].")
     ] = None,
     precision: Annotated[
-        Precision, typer.Option(help="Weights/compute precision (training: mixed with fp32 master weights).")
-    ] = Precision.bf16,
+        Optional[Precision],
+        typer.Option(
+            help="Weights/compute precision (training: mixed with fp32 master weights); default: bf16, "
+            "or when tracing without --gpu, what `gpuwise train` picks here.",
+        ),
+    ] = None,
     optimizer: Annotated[Optional[Optimizer], typer.Option(help="Training optimizer [adamw].")] = None,
     checkpointing: Annotated[Optional[Checkpointing], typer.Option(help="Activation recompute [none].")] = None,
     flash_attention: Annotated[bool, typer.Option(help="A fused attention kernel (no s x s scores kept).")] = True,
@@ -165,7 +172,11 @@ def plan(
         Optional[LoraTargets], typer.Option(help="all-linear: q,k,v,o + MLP; attn: q,k,v,o [all-linear].")
     ] = None,
     gpu: Annotated[
-        Optional[str], typer.Option(help="One accelerator slug (see `gpuwise hardware`); default: sweep the catalog.")
+        Optional[str],
+        typer.Option(
+            help="One accelerator slug (see `gpuwise hardware`); default: sweep the catalog, "
+            "or when tracing, the GPU here (else this CPU)."
+        ),
     ] = None,
     gpus: Annotated[Optional[int], typer.Option(help="GPU count [the fewest that fit].")] = None,
     tp: Annotated[Optional[int], typer.Option(help="Tensor-parallel degree.")] = None,
@@ -194,23 +205,22 @@ def plan(
     from gpuwise.plan.planner import make_plan
     from gpuwise.plan.request import PlanRequest, check_flags
 
-    def val(e):
-        return e.value if isinstance(e, Enum) else e
-
+    tracing = bool(workload or module or traced)
     req = PlanRequest(
-        task=val(task),
+        # A traced plan runs a training step (a workload is trained), so its task goes without saying.
+        task=str(task) if task else ("finetune" if tracing else "inference"),
         batch=batch,
         seq=seq,
         gen=gen,
         tokens=tokens,
         epochs=epochs,
         dataset_tokens=dataset_tokens,
-        precision=val(precision),
-        optimizer=val(optimizer),
-        checkpointing=val(checkpointing),
+        precision=str(precision) if precision else "bf16",
+        optimizer=optimizer and str(optimizer),
+        checkpointing=checkpointing and str(checkpointing),
         flash_attention=flash_attention,
         lora_rank=lora_rank,
-        lora_targets=val(lora_targets),
+        lora_targets=lora_targets and str(lora_targets),
         gpu=gpu,
         gpus=gpus,
         tp=tp,
@@ -228,8 +238,8 @@ def plan(
     check_flags(req)  # before the catalog and the model are read: the cheapest mistakes first
     if sum(x is not None for x in (model, workload, module)) != 1:
         raise GpuwiseError("give exactly one of --model, --workload or --module")
-    if workload or module or traced:
-        return _traced(model, workload, module, req, _catalog(catalog), as_json)
+    if tracing:
+        return _traced(model, workload, module, req, _catalog(catalog), as_json, precision_given=precision is not None)
     cat = _catalog(catalog)
     try:
         cat.calibration = rundb.calibration_map()
@@ -251,21 +261,45 @@ def plan(
         render_plan(console, result, sweep=gpu is None)
 
 
-def _traced(model, workload, module, req, cat, as_json: bool) -> None:
+def _workload_step(name: str):
+    """The workload's bench step (model and the loss of one synthetic batch), built under the tracer's fake tensors."""
+    import torch
+
+    from gpuwise.workloads.registry import get
+
+    workload = get(name)  # an unknown name is refused before any tracing starts
+
+    def build():
+        model, loss_fn, _, _ = workload.bench_step(torch.device("cpu"))
+        return model, loss_fn
+
+    return build
+
+
+def _traced(
+    model: str | None,
+    workload: str | None,
+    module: str | None,
+    req,
+    cat,
+    as_json: bool,
+    precision_given: bool = True,
+) -> None:
+    import math
+    from dataclasses import replace
+
     from gpuwise.plan import traced
     from gpuwise.runs import db as rundb
 
-    if not req.gpu:
-        raise GpuwiseError("--traced plans one accelerator: add --gpu SLUG (see `gpuwise hardware`)")
     if req.task not in ("pretrain", "finetune"):
         raise GpuwiseError("--traced plans a full training step: use --task finetune or pretrain")
     if req.tp or req.pp or req.zero not in (None, 3):
         raise GpuwiseError("--traced plans one GPU or FSDP over --gpus N (ZeRO-3); plan TP/PP layouts without --traced")
     if req.checkpointing not in (None, "none") or req.optimizer not in (None, "adamw"):
         raise GpuwiseError("--traced runs a plain AdamW step without recompute: drop --checkpointing/--optimizer")
-    acc = cat.get(req.gpu)
+    acc = cat.get(req.gpu) if req.gpu else None
     if workload:
-        name, build = workload, traced.workload_factory(workload)
+        name, build = workload, _workload_step(workload)
     elif module:
         name, build = module, traced.module_factory(module)
     else:
@@ -273,7 +307,19 @@ def _traced(model, workload, module, req, cat, as_json: bool) -> None:
 
         spec = resolve_model(model)
         name, build = spec.name, traced.spec_factory(spec, req.batch, req.seq)
+    if acc is None:
+        # No --gpu: plan what `gpuwise train` would run here, in the precision it would pick there, which a
+        # T4 (no bf16) or a CPU needs. Asked only now, so a misspelled workload is refused without CUDA.
+        from gpuwise.hardware.devices import here
+
+        acc, train_precision = here(cat)
+        if not precision_given:
+            req = replace(req, precision=train_precision)
+        label = acc.name if acc.kind == "cpu" else f"{acc.name} ({acc.slug})"
+        print(f"gpuwise: no --gpu: planning for the device here, {label}, in {req.precision}", file=sys.stderr)
     result = traced.traced_plan(name, build, acc, req.precision, req.efficiency, shards=req.gpus or 1)
+    if not math.isfinite(acc.mem_bw_gbs):
+        result["method"] += "; this CPU's memory bandwidth is unknown, so bytes moved cost no time (a lower bound)"
     result["record_id"] = rundb.try_record("plan", acc.slug, name, result)
     if as_json:
         _emit(result)
@@ -287,6 +333,7 @@ import gpuwise.cli_bench  # noqa: E402,F401  (registers bench on the app)
 import gpuwise.cli_export  # noqa: E402,F401  (registers export on the app)
 import gpuwise.cli_report  # noqa: E402,F401  (registers report on the app)
 import gpuwise.cli_runs  # noqa: E402,F401  (registers runs on the app)
+import gpuwise.cli_schema  # noqa: E402,F401  (registers schema on the app)
 import gpuwise.cli_serve  # noqa: E402,F401  (registers serve on the app)
 import gpuwise.cli_train  # noqa: E402,F401  (registers train and predict on the app)
 

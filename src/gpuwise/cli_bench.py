@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich import box
@@ -15,48 +15,52 @@ from rich.table import Table
 from gpuwise.cli import CatalogOpt, JsonOpt, _catalog, _emit, app, console
 from gpuwise.errors import GpuwiseError
 
+if TYPE_CHECKING:
+    from gpuwise.results import BenchResult
 
-def _pct(x) -> str:
+
+def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
-def render(con: Console, result: dict) -> None:
-    for dev, r in result["devices"].items():
-        con.print(f"[bold]{dev}[/]: {r['peak']['name']} — peak: {r['peak']['origin']}")
+def render(con: Console, result: BenchResult | dict) -> None:
+    from gpuwise.results import BenchResult
+
+    result = BenchResult.load(result)
+    for dev, r in result.devices.items():
+        con.print(f"[bold]{dev}[/]: {r.peak.name} — peak: {r.peak.origin}")
         t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
         for col in ("test", "achieved", "of peak"):
             t.add_column(col, justify="left" if col == "test" else "right")
-        for name, m in r["matmul"].items():
+        for name, m in r.matmul.items():
+            t.add_row(f"matmul {name} {m.n}x{m.n}", f"{m.tflops * 1e3:,.1f} GFLOP/s", _pct(m.fraction_of_peak))
+        bw = r.bandwidth
+        t.add_row("bandwidth copy", f"{bw.copy_gbs:,.1f} GB/s", "")
+        t.add_row("bandwidth triad", f"{bw.triad_gbs:,.1f} GB/s", _pct(bw.fraction_of_peak))
+        if r.host_device is not None:
+            hd = r.host_device
+            t.add_row("host -> device", f"{hd.h2d_gbs:,.1f} GB/s", _pct(hd.fraction_of_peak))
+            t.add_row("device -> host", f"{hd.d2h_gbs:,.1f} GB/s", "")
+        for name, w in r.workloads.items():
+            extra = f", {w.tokens_per_s:,.0f} tokens/s" if w.tokens_per_s is not None else ""
             t.add_row(
-                f"matmul {name} {m['n']}x{m['n']}", f"{m['tflops'] * 1e3:,.1f} GFLOP/s", _pct(m["fraction_of_peak"])
-            )
-        bw = r["bandwidth"]
-        t.add_row("bandwidth copy", f"{bw['copy_gbs']:,.1f} GB/s", "")
-        t.add_row("bandwidth triad", f"{bw['triad_gbs']:,.1f} GB/s", _pct(bw["fraction_of_peak"]))
-        if "host_device" in r:
-            hd = r["host_device"]
-            t.add_row("host -> device", f"{hd['h2d_gbs']:,.1f} GB/s", _pct(hd["fraction_of_peak"]))
-            t.add_row("device -> host", f"{hd['d2h_gbs']:,.1f} GB/s", "")
-        for name, w in r["workloads"].items():
-            extra = f", {w['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in w else ""
-            t.add_row(
-                f"{name} step ({w['precision']}, batch {w['batch']})",
-                f"{w['samples_per_s']:,.1f} samples/s{extra}",
-                _pct(w["fraction_of_peak"]),
+                f"{name} step ({w.precision}, batch {w.batch})",
+                f"{w.samples_per_s:,.1f} samples/s{extra}",
+                _pct(w.fraction_of_peak),
             )
         con.print(t)
-        if r["peak"].get("bandwidth_origin"):
-            con.print(f"[dim]bandwidth peak: {r['peak']['bandwidth_origin']}[/]")
-    for target, ratios in result.get("speedup", {}).items():
+        if r.peak.bandwidth_origin:
+            con.print(f"[dim]bandwidth peak: {r.peak.bandwidth_origin}[/]")
+    for target, ratios in (result.speedup or {}).items():
         t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"{target} vs cpu", title_justify="left")
         t.add_column("test")
         t.add_column("speed-up", justify="right")
         for name, x in ratios.items():
             t.add_row(name, f"{x:,.1f}x")
         con.print(t)
-    if "projections" in result:
-        bases = {v["basis"] for p in result["projections"].values() for v in p["matmul"].values()}
-        bases |= {w["basis"] for p in result["projections"].values() for w in p["workloads"].values()}
+    if result.projections is not None:
+        bases = {v.basis for p in result.projections.values() for v in p.matmul.values()}
+        bases |= {w.basis for p in result.projections.values() for w in p.workloads.values()}
         con.print("[dim]projected, not measured (no GPU here): " + "; ".join(sorted(bases)) + "[/]")
 
 
@@ -65,6 +69,10 @@ def bench(
     device: Annotated[str, typer.Option(help="cpu, cuda:N, or all (every device here).")] = "all",
     quick: Annotated[bool, typer.Option("--quick", help="Smaller sizes: under a minute on 2 CPU cores.")] = False,
     out: Annotated[Optional[Path], typer.Option(help="Where bench.json and bench.png go [runs/bench-TIME].")] = None,
+    workload: Annotated[
+        Optional[list[str]],
+        typer.Option(help="Time this workload's training step (repeatable) [every workload installed]."),
+    ] = None,
     catalog: CatalogOpt = None,
     as_json: JsonOpt = False,
 ):
@@ -72,9 +80,15 @@ def bench(
     step of each workload, each as a fraction of the device's peak; a PNG chart beside the JSON."""
     from gpuwise.bench.chart import draw
     from gpuwise.bench.run import parse_devices, run_bench
+    from gpuwise.results import BenchFiles
 
     cat = _catalog(catalog)
-    parse_devices(device)  # a wrong --device is refused before a directory is made for it
+    parse_devices(device)  # a wrong --device or --workload is refused before a directory is made for it
+    if workload:
+        from gpuwise.workloads.registry import get
+
+        for name in workload:
+            get(name)
     out = out or Path("runs") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
     try:  # before the minutes of measuring, not after them
         out.mkdir(parents=True, exist_ok=True)
@@ -86,31 +100,32 @@ def bench(
         raise GpuwiseError(f"--out {out}: the directory is not writable")
     status = Console(stderr=True)
     with status.status("benchmarking") as spinner:
-        result = run_bench(device, quick, cat, progress=lambda msg: spinner.update(msg))
+        result = run_bench(device, quick, cat, progress=lambda msg: spinner.update(msg), workloads=workload)
     try:
-        png = draw(result, out / "bench.png")
+        png = draw(result.dump(), out / "bench.png")
     except OSError as e:  # a full disk, or the directory removed while we measured
         raise GpuwiseError(f"cannot write {out / 'bench.png'}: {e.strerror}") from None
-    result["files"] = {"json": str(out / "bench.json"), "png": str(png)}
+    result.files = BenchFiles.build({"json": str(out / "bench.json"), "png": str(png)})
     from gpuwise.files import to_json
     from gpuwise.runs import db as rundb
 
-    keys = [r["key"] for r in result["devices"].values()]
-    result["record_id"] = rundb.try_record("bench", ", ".join(keys), "bench", result, run_dir=str(out))
-    if result["record_id"] is not None:
-        for r in result["devices"].values():  # what plan and train use for this device from now on
-            fractions = {f"matmul.{k}": m["fraction_of_peak"] for k, m in r["matmul"].items()}
-            fractions |= {f"workload.{k}": w["fraction_of_peak"] for k, w in r["workloads"].items() if w["tflops"]}
+    keys = [r.key for r in result.devices.values()]
+    result.record_id = rundb.try_record("bench", ", ".join(keys), "bench", result.dump(), run_dir=str(out))
+    if result.record_id is not None:
+        for r in result.devices.values():  # what plan and train use for this device from now on
+            fractions = {f"matmul.{k}": m.fraction_of_peak for k, m in r.matmul.items()}
+            fractions |= {f"workload.{k}": w.fraction_of_peak for k, w in r.workloads.items() if w.tflops}
             # A step torch counts no FLOPs in (embedding lookups) is timed per sample and per parameter.
-            for k, w in r["workloads"].items():
-                fractions |= {f"workload.{k}.{u}": w[u] for u in ("s_per_sample", "s_per_param") if u in w}
-            rundb.calibrate(r["key"], fractions, result["record_id"])
+            for k, w in r.workloads.items():
+                timed = {"s_per_sample": w.s_per_sample, "s_per_param": w.s_per_param}
+                fractions |= {f"workload.{k}.{u}": v for u, v in timed.items() if v is not None}
+            rundb.calibrate(r.key, fractions, result.record_id)
     try:
-        (out / "bench.json").write_text(to_json(result, indent=2) + "\n")
+        (out / "bench.json").write_text(to_json(result.dump(), indent=2) + "\n")
     except OSError as e:  # a full disk, or the directory removed while we measured
         raise GpuwiseError(f"cannot write {out / 'bench.json'}: {e.strerror}") from None
     if as_json:
-        _emit(result)
+        _emit(result.dump())
     else:
         render(console, result)
-        console.print(f"wrote {result['files']['json']} and {result['files']['png']}")
+        console.print(f"wrote {result.files.json_path} and {result.files.png}")

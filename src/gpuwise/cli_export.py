@@ -15,18 +15,18 @@ def _size(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
-@app.command(epilog="Example: gpuwise export runs/defects-20261130-101500 --format onnx")
+@app.command(epilog="Example: gpuwise export runs/WORKLOAD-20261130-101500 --format onnx")
 def export(
-    run_dir: Annotated[Path, typer.Argument(help="A finished defects or recommender run.")],
+    run_dir: Annotated[Path, typer.Argument(help="A finished run of a workload with an ONNX graph.")],
     fmt: Annotated[str, typer.Option("--format", help="onnx (the only one): writes RUN_DIR/model.onnx.")] = "onnx",
     as_json: JsonOpt = False,
 ):
     """Write the trained model as ONNX (dynamic batch), then run onnxruntime and torch on the same
-    real inputs and report their largest difference. product-lm serves through torch."""
+    real inputs and report their largest difference. Language models serve through torch."""
     from gpuwise.serve.export import compare_with_torch, export_onnx, load_torch
 
     if fmt != "onnx":
-        raise GpuwiseError(f"--format {fmt}: only onnx is supported (defects and recommender runs)")
+        raise GpuwiseError(f"--format {fmt}: only onnx is supported")
     loaded = load_torch(run_dir)  # once, for the export and the check
     path = export_onnx(run_dir, loaded)
     check = compare_with_torch(run_dir, path, loaded=loaded)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich import box
 from rich.table import Table
 
 from gpuwise.cli import JsonOpt, _emit, app, console
+from gpuwise.errors import GpuwiseError
 
 runs_app = typer.Typer(
     help="The record (SQLite) of every plan, bench and run: list, show, compare.", no_args_is_help=False
@@ -16,20 +17,29 @@ runs_app = typer.Typer(
 app.add_typer(runs_app, name="runs")
 
 
-def _headline(r: dict) -> str:
-    d = r["data"]
-    if r["kind"] == "train":
-        ev = {k: v for k, v in d.get("eval", {}).items() if isinstance(v, int | float) and k not in ("n", "users")}
+def _headline(r: dict[str, Any]) -> str:
+    from gpuwise.results import BenchResult, PlanResult, TrainSummary
+    from gpuwise.runs import db
+
+    try:
+        result = db.typed(r)
+    except GpuwiseError:  # one damaged record must not hide the others
+        return f"damaged (gpuwise runs show {r['id']})"
+    if isinstance(result, TrainSummary):
+        ev = {k: v for k, v in result.eval.items() if isinstance(v, int | float) and k not in ("n", "users")}
         first = next(iter(ev.items()), None)
-        return f"{d.get('steps')} steps" + (f", {first[0]} {first[1]:.4g}" if first else "")
-    if r["kind"] == "plan":
-        comp = d.get("compute") or {}
-        return f"{d.get('gpus')} x {d.get('gpu')}, fits {d.get('fits')}, {comp.get('gpu_hours', 0):,.1f} GPU-h"
-    return ", ".join(f"{k} {len(v.get('workloads', {}))} workloads" for k, v in d.get("devices", {}).items())
+        return f"{result.steps} steps" + (f", {first[0]} {first[1]:.4g}" if first else "")
+    if isinstance(result, PlanResult):
+        hours = result.compute.gpu_hours if result.compute else 0
+        return f"{result.gpus} x {result.gpu}, fits {result.fits}, {hours:,.1f} GPU-h"
+    if isinstance(result, BenchResult):
+        return ", ".join(f"{k} {len(v.workloads)} workloads" for k, v in result.devices.items())
+    d = r["data"]  # a traced plan: its figures are per step, not per job
+    return f"{d.get('gpus')} x {d.get('gpu')}, fits {d.get('fits')}, traced"
 
 
 @runs_app.callback(invoke_without_command=True)
-def runs(ctx: typer.Context, as_json: JsonOpt = False):
+def runs(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """List every recorded plan, bench and training run."""
     if ctx.invoked_subcommand:
         return
@@ -48,7 +58,7 @@ def runs(ctx: typer.Context, as_json: JsonOpt = False):
 
 
 @runs_app.command()
-def show(record_id: Annotated[int, typer.Argument(help="A record id from `gpuwise runs`.")]):
+def show(record_id: Annotated[int, typer.Argument(help="A record id from `gpuwise runs`.")]) -> None:
     """Everything recorded for one plan, bench or run (its JSON)."""
     from gpuwise.runs import db
 
@@ -56,7 +66,7 @@ def show(record_id: Annotated[int, typer.Argument(help="A record id from `gpuwis
 
 
 @runs_app.command()
-def compare(as_json: JsonOpt = False):
+def compare(as_json: JsonOpt = False) -> None:
     """The error of every estimate over all recorded training runs: (estimate - measured) / measured."""
     from gpuwise.runs import db
 
@@ -68,13 +78,16 @@ def compare(as_json: JsonOpt = False):
     for col in ("id", "workload", "device", "memory error", "step-time error", "step time calibrated by"):
         t.add_column(col, justify="right" if "error" in col else "left")
     for r in rows:
-        fmt = lambda x: "-" if x is None else f"{x:+.0%}"  # noqa: E731
         t.add_row(
             str(r["id"]),
             r["workload"],
             r["device"],
-            fmt(r["memory_error"]),
-            fmt(r["step_time_error"]),
+            _signed(r["memory_error"]),
+            _signed(r["step_time_error"]),
             (r["step_time_basis"] or "-")[:60],
         )
     console.print(t)
+
+
+def _signed(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.0%}"

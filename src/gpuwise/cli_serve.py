@@ -59,14 +59,14 @@ def serve(
         int, typer.Option(min=1, max=100_000, help="Connections open at once; a 503 beyond.")
     ] = 256,
     max_body_mb: Annotated[float, typer.Option(min=0.001, max=4096, help="Largest request body.")] = 16.0,
-    max_k: Annotated[int, typer.Option(min=1, max=1_000_000, help="recommender: largest k.")] = 100,
-    max_tokens: Annotated[int, typer.Option(min=1, max=1_000_000, help="product-lm: largest max_tokens.")] = 512,
+    max_k: Annotated[int, typer.Option(min=1, max=1_000_000, help="Ranking workloads: largest k.")] = 100,
+    max_tokens: Annotated[int, typer.Option(min=1, max=1_000_000, help="Language models: largest max_tokens.")] = 512,
     grace: Annotated[
         float, typer.Option(min=0, max=86400, help="Seconds in-flight requests get after SIGTERM.")
     ] = 30.0,
 ):
-    """Serve a trained run over HTTP: /v1/predict (defects), /v1/recommend (recommender) or
-    /v1/generate (product-lm), with /health, /v1/info, /metrics and the OpenAPI docs at /docs."""
+    """Serve a trained run over HTTP: its workload's route (/v1/predict for images, /v1/recommend for
+    rankings, /v1/generate for text...), with /health, /v1/info, /metrics and the OpenAPI docs at /docs."""
     import uvicorn
 
     from gpuwise.serve.app import Settings, create_app, server_config

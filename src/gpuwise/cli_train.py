@@ -10,22 +10,22 @@ from rich.console import Console
 
 from gpuwise.cli import JsonOpt, _emit, app, console
 from gpuwise.errors import GpuwiseError
+from gpuwise.workloads.registry import described
 
-WORKLOAD_HELP = "defects (ELPV solar cells), recommender (MovieLens), product-lm (fine-food reviews)."
+WORKLOAD_HELP = f"{described()}; or package.module:Class, your own (README: Add a workload)."
 
 
 @app.command(
-    epilog="Examples: gpuwise train defects · gpuwise train product-lm --method lora --max-steps 200 · "
-    "gpuwise train --resume runs/defects-20261130-101500"
+    epilog="Examples: gpuwise train WORKLOAD · gpuwise train WORKLOAD --max-steps 200 --batch-size 16 · "
+    "gpuwise train --resume runs/WORKLOAD-20261130-101500"
 )
 def train(
     workload: Annotated[Optional[str], typer.Argument(help=WORKLOAD_HELP, show_default=False)] = None,
     data: Annotated[
         Optional[Path],
         typer.Option(
-            help="Your own data: an image folder (defects), a CSV/Parquet "
-            "of user,item,timestamp[,rating] (recommender), JSONL/CSV text "
-            "(product-lm). Default: the workload's PyPI data set."
+            help="Your own data, in the form the workload reads (an image folder, a CSV/Parquet table, "
+            "JSONL/CSV text; see README). Default: the workload's PyPI data set."
         ),
     ] = None,
     run_dir: Annotated[Optional[Path], typer.Option(help="Where the run is written [runs/WORKLOAD-TIME].")] = None,
@@ -62,21 +62,21 @@ def train(
         ),
     ] = "auto",
     strategy: Annotated[str, typer.Option(help="auto (DDP when several processes), ddp, fsdp.")] = "auto",
-    image_size: Annotated[int, typer.Option(help="defects: images are resized to this square.")] = 128,
+    image_size: Annotated[int, typer.Option(help="Image workloads: images are resized to this square.")] = 128,
     init_from: Annotated[
         Optional[Path],
         typer.Option(
-            help="recommender: last week's run directory to start from; new users and items get new embeddings."
+            help="Ranking workloads: last week's run directory to start from; new users and items get new embeddings."
         ),
     ] = None,
     base: Annotated[
         Optional[str],
-        typer.Option(help="defects/product-lm: a local model directory or hub id to start from (from_pretrained)."),
+        typer.Option(help="A local model directory or hub id to start from (from_pretrained)."),
     ] = None,
-    method: Annotated[str, typer.Option(help="product-lm: full, lora or qlora (4-bit NF4 base).")] = "full",
-    lora_rank: Annotated[int, typer.Option(help="product-lm: LoRA rank.")] = 16,
-    merge: Annotated[bool, typer.Option("--merge", help="product-lm lora/qlora: also save the merged model.")] = False,
-    block_size: Annotated[int, typer.Option(help="product-lm: tokens per training sequence.")] = 128,
+    method: Annotated[str, typer.Option(help="Language models: full, lora or qlora (4-bit NF4 base).")] = "full",
+    lora_rank: Annotated[int, typer.Option(help="Language models: LoRA rank.")] = 16,
+    merge: Annotated[bool, typer.Option("--merge", help="lora/qlora: also save the merged model.")] = False,
+    block_size: Annotated[int, typer.Option(help="Language models: tokens per training sequence.")] = 128,
     resume: Annotated[
         Optional[Path], typer.Option(help="Continue the run in this directory from its newest whole checkpoint.")
     ] = None,
@@ -137,34 +137,22 @@ def train(
 def predict(
     run_dir: Annotated[Path, typer.Argument(help="A finished `gpuwise train` run.")],
     inputs: Annotated[
-        list[str], typer.Argument(help="defects: image files; recommender: user ids; product-lm: prompts.")
+        list[str], typer.Argument(help="What the run's workload takes: image files, user ids, prompts...")
     ],
-    k: Annotated[int, typer.Option(min=1, max=10_000, help="recommender: items per user.")] = 10,
-    max_tokens: Annotated[int, typer.Option(min=1, max=100_000, help="product-lm: tokens to generate.")] = 40,
+    k: Annotated[int, typer.Option(min=1, max=10_000, help="Ranking workloads: items per user.")] = 10,
+    max_tokens: Annotated[int, typer.Option(min=1, max=100_000, help="Language models: tokens to generate.")] = 40,
     as_json: JsonOpt = False,
 ):
     """Run a trained model on new inputs."""
-    from gpuwise.train.records import loading_model, open_finished
+    from gpuwise.errors import loading_model
+    from gpuwise.train.records import open_finished
 
     cfg = open_finished(run_dir)
-    if cfg.workload == "defects":
-        from gpuwise.workloads.defects import predict as run
-    elif cfg.workload == "recommender":
-        from gpuwise.workloads.recommender import predict as run
-    else:
-        from gpuwise.workloads.product_lm import predict as run
+    workload = cfg.workload_def()
     with loading_model(run_dir):
-        results = run(run_dir, cfg, inputs, k=k, max_tokens=max_tokens)
+        results = workload.predict(run_dir, cfg, inputs, k=k, max_tokens=max_tokens)
     if as_json:
         _emit(results)
         return
     for r in results:
-        if "items" in r:
-            console.print(f"[bold]user {r['user']}[/] ({r['source']}):")
-            for n, it in enumerate(r["items"], 1):
-                score = f"  score {it['score']:.3f}" if it["score"] is not None else ""
-                console.print(f"  {n:>2}. {it['item']}" + (f"  {it['title']}" if it.get("title") else "") + score)
-        elif "probability" in r:
-            console.print(f"{r['input']}: [bold]{r['label']}[/] (p({r['positive_class']}) = {r['probability']:.3f})")
-        else:
-            console.print(f"[bold]{r['prompt']}[/] -> {r['text']}")
+        console.print(workload.describe(r))

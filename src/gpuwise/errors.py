@@ -1,5 +1,7 @@
 """The one error type a user sees: the CLI prints its message as one line and exits (2 by default)."""
 
+import contextlib
+
 
 class GpuwiseError(Exception):
     """Bad input or an impossible request. The message is the whole story for the user."""
@@ -25,3 +27,16 @@ def first_line(e: BaseException) -> str:
     """'Type: the first line of its message', for an error from a library passed on as one line."""
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def loading_model(run_dir, flag: str = ""):
+    """A run's files are untrusted input (truncated, hand-edited, planted): whatever they make safetensors,
+    json, transformers or torch raise while loading becomes one line."""
+    try:
+        yield
+    except GpuwiseError:
+        raise
+    except Exception as e:  # noqa: BLE001 - each loader raises its own types
+        where = f"{flag} {run_dir}" if flag else str(run_dir)
+        raise GpuwiseError(f"{where}: cannot load the trained model ({first_line(e)})") from None

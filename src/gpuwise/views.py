@@ -8,6 +8,7 @@ from rich.table import Table
 
 from gpuwise.hardware.catalog import Catalog
 from gpuwise.hardware.devices import Devices
+from gpuwise.results import PlanFields, PlanResult
 
 GiB = 2**30
 
@@ -148,14 +149,15 @@ def render_devices(console: Console, dev: Devices) -> None:
     console.print(t)
 
 
-def render_plan(console: Console, res: dict, sweep: bool) -> None:
-    m = res["model"]
-    published = f", published {count(m['published_params'])}" if m.get("published_params") else ""
-    task = res["task"]
+def render_plan(console: Console, res: PlanResult | dict, sweep: bool) -> None:
+    res = PlanResult.load(res)
+    m = res.model
+    published = f", published {count(m.published_params)}" if m.published_params else ""
+    task = res.task
     console.print(
-        f"[bold]{m['name']}[/]: {count(m['params'])} parameters{published} · task {task} · "
-        f"{res['precision']} · batch {res['batch']} x seq {res['seq']}"
-        + (f" · trainable {count(res['trainable_params'])}" if task in ("lora", "qlora") else "")
+        f"[bold]{m.name}[/]: {count(m.params or 0)} parameters{published} · task {task} · "
+        f"{res.precision} · batch {res.batch} x seq {res.seq}"
+        + (f" · trainable {count(res.trainable_params or 0)}" if task in ("lora", "qlora") else "")
     )
     if sweep:
         console.print("[bold]Every accelerator at the fewest GPUs that fit, cheapest first[/]")
@@ -172,19 +174,19 @@ def render_plan(console: Console, res: dict, sweep: bool) -> None:
         ):
             # Only the provider may be cut short on a narrow terminal; figures never are.
             t.add_column(col, no_wrap=col != "provider", overflow="ellipsis", justify="right" if right else "left")
-        for row in res["options"]:
-            comp, on = row["compute"], row["onprem"]
-            cloud = min(row["cost"], key=lambda c: c["usd"]) if row["cost"] else None
-            mark = (" ★" if row["cheapest"] else "") + (" ⚡" if row["fastest"] else "")
+        for row in res.options:
+            comp, on = row.compute, row.onprem
+            cloud = min(row.cost, key=lambda c: c.usd) if row.cost else None
+            mark = (" ★" if row.cheapest else "") + (" ⚡" if row.fastest else "")
             t.add_row(
-                row["gpu"] + mark,
+                row.gpu + mark,
                 _layout(row),
-                f"{row['memory']['total'] / GiB:.1f}",
+                f"{row.memory.total / GiB:.1f}",
                 _fit_cell(row),
-                hours(comp["wall_hours"]) if comp else "-",
-                usd(cloud["usd"]) if cloud else "-",
-                cloud["provider"] if cloud else "-",
-                usd(on["usd"]) if on else "-",
+                hours(comp.wall_hours) if comp else "-",
+                usd(cloud.usd) if cloud else "-",
+                cloud.provider if cloud else "-",
+                usd(on.usd) if on else "-",
             )
         console.print(t)
         console.print(
@@ -193,8 +195,8 @@ def render_plan(console: Console, res: dict, sweep: bool) -> None:
             "GPU count (more GPUs shorten it; GPU-hours and cost stay about the same). GPUs: DP data, "
             "Z ZeRO stage, TP tensor, PP pipeline parallel. `--json` gives every figure with its source."
         )
-        if res["fits"]:
-            console.print(f"Recommended: [bold]{res['gpus']} x {res['gpu']}[/]\n")
+        if res.fits:
+            console.print(f"Recommended: [bold]{res.gpus} x {res.gpu}[/]\n")
     _render_detail(console, res)
 
 
@@ -224,76 +226,75 @@ def render_traced(console: Console, res: dict) -> None:
     console.print(f"[dim]{res['method']}[/]")
 
 
-def _fit_cell(row: dict) -> str:
-    if row["fits"]:
-        return f"[green]✓ {1 - row['memory']['total'] / row['capacity']:.0%}[/]"
-    if row["compute"] is None:
-        return f"[red]✗ no {row['precision']}[/]"
-    return f"[red]✗ has {row['capacity'] / GiB:.0f}[/]"
+def _fit_cell(row: PlanFields) -> str:
+    if row.fits:
+        return f"[green]✓ {1 - row.memory.total / row.capacity:.0%}[/]"
+    if row.compute is None:
+        return f"[red]✗ no {row.precision}[/]"
+    return f"[red]✗ has {row.capacity / GiB:.0f}[/]"
 
 
-def _layout(row: dict) -> str:
-    lay = row["layout"]
-    parts = [str(row["gpus"])]
-    if lay["dp"] > 1:
-        parts.append(f"DP{lay['dp']}" + (f" Z{lay['zero']}" if lay["zero"] else ""))
-    if lay["tp"] > 1:
-        parts.append(f"TP{lay['tp']}")
-    if lay["pp"] > 1:
-        parts.append(f"PP{lay['pp']}")
+def _layout(row: PlanFields) -> str:
+    lay = row.layout
+    parts = [str(row.gpus)]
+    if lay.dp > 1:
+        parts.append(f"DP{lay.dp}" + (f" Z{lay.zero}" if lay.zero else ""))
+    if lay.tp > 1:
+        parts.append(f"TP{lay.tp}")
+    if lay.pp > 1:
+        parts.append(f"PP{lay.pp}")
     return " ".join(parts)
 
 
-def _render_detail(console: Console, res: dict) -> None:
-    mem, comp = res["memory"], res["compute"]
-    console.print(f"[bold]{res['gpus']} x {res['gpu_name']}[/] ({res['layout']['text']}): memory per GPU")
+def _render_detail(console: Console, res: PlanResult) -> None:
+    mem, comp = res.memory, res.compute
+    console.print(f"[bold]{res.gpus} x {res.gpu_name}[/] ({res.layout.text}): memory per GPU")
     t = Table(box=box.SIMPLE, pad_edge=False, show_header=False)
     t.add_column("part")
     t.add_column("GiB", justify="right")
     for part in ("weights", "gradients", "optimizer", "activations", "kv_cache", "overhead"):
-        t.add_row(part.replace("_", " "), gib(mem[part]))
-    t.add_row("[bold]total[/]", f"[bold]{gib(mem['total'])}[/]", end_section=True)
-    t.add_row("capacity", gib(res["capacity"]))
+        t.add_row(part.replace("_", " "), gib(getattr(mem, part)))
+    t.add_row("[bold]total[/]", f"[bold]{gib(mem.total)}[/]", end_section=True)
+    t.add_row("capacity", gib(res.capacity))
     console.print(t)
     console.print(
-        ("[green]" if res["fits"] else "[red]")
-        + res["why"]
+        ("[green]" if res.fits else "[red]")
+        + res.why
         + "[/]"
-        + (f"; largest batch that fits: {res['max_batch']}" if res["max_batch"] else "")
+        + (f"; largest batch that fits: {res.max_batch}" if res.max_batch else "")
     )
-    if res["kv_cache_per_token"]:
-        console.print(f"KV cache: {res['kv_cache_per_token'] / 2**10:,.0f} KiB per token ({res['precision']})")
+    if res.kv_cache_per_token:
+        console.print(f"KV cache: {res.kv_cache_per_token / 2**10:,.0f} KiB per token ({res.precision})")
     if comp:
         console.print(
-            f"Compute: {comp['flops']:.3g} FLOPs for {count(comp['tokens'])} tokens ({comp['tokens_origin']}); "
-            f"{comp['peak_tflops']:g} TFLOPS peak x efficiency {comp['efficiency']:g} "
-            f"({comp['efficiency_origin']})"
+            f"Compute: {comp.flops:.3g} FLOPs for {count(comp.tokens)} tokens ({comp.tokens_origin}); "
+            f"{comp.peak_tflops:g} TFLOPS peak x efficiency {comp.efficiency:g} "
+            f"({comp.efficiency_origin})"
         )
         line = (
-            f"Time: {hours(comp['wall_hours'])} wall, {comp['gpu_hours']:,.1f} GPU-hours, "
-            f"{comp['tokens_per_s']:,.0f} tokens/s"
+            f"Time: {hours(comp.wall_hours)} wall, {comp.gpu_hours:,.1f} GPU-hours, {comp.tokens_per_s:,.0f} tokens/s"
         )
-        if comp.get("decode_step_s"):
+        if comp.decode_step_s:
             line += (
-                f"; first token after {comp['prefill_s'] * 1000:,.0f} ms, then {1 / comp['decode_step_s']:,.0f} "
-                f"tokens/s per sequence ({comp['decode_bound']}-bound)"
+                f"; first token after {(comp.prefill_s or 0) * 1000:,.0f} ms, then {1 / comp.decode_step_s:,.0f} "
+                f"tokens/s per sequence ({comp.decode_bound}-bound)"
             )
         console.print(line)
-    if res["cost"] or res["onprem"]:
+    if res.cost or res.onprem:
         console.print("[bold]Cost of the job[/]")
         t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
         for col in ("provider", "$/GPU-h", "total", "source (as of)"):
             t.add_column(col)
-        for c in res["cost"]:
-            t.add_row(c["provider"], f"{c['usd_per_gpu_hour']:.2f}", usd(c["usd"]), f"{c['source']} ({c['as_of']})")
-        on = res["onprem"]
+        for c in res.cost:
+            t.add_row(c.provider, f"{c.usd_per_gpu_hour:.2f}", usd(c.usd), f"{c.source} ({c.as_of})")
+        on = res.onprem
         if on:
-            be = on["breakeven_utilization"]
+            be = on.breakeven_utilization
             t.add_row(
                 "on-prem",
-                f"{on['usd_per_gpu_hour']:.2f}",
-                usd(on["usd"]),
-                f"{on['item']}, {usd(on['purchase_usd_per_gpu'])}/GPU — {on['source']} ({on['as_of']})",
+                f"{on.usd_per_gpu_hour:.2f}",
+                usd(on.usd),
+                f"{on.item}, {usd(on.purchase_usd_per_gpu)}/GPU — {on.source} ({on.as_of})",
             )
             console.print(t)
             console.print(
@@ -304,9 +305,9 @@ def _render_detail(console: Console, res: dict) -> None:
             )
         else:
             console.print(t)
-    for w in res["warnings"]:
+    for w in res.warnings:
         console.print(f"[yellow]! {w}[/]")
     console.print("[dim]Assumptions:[/]")
-    for a in res["assumptions"]:
-        given = a["origin"].startswith("--")
-        console.print(f"[dim]  {a['name']}: " + (f"{a['value']:g} (given)" if given else a["origin"]) + "[/]")
+    for a in res.assumptions:
+        given = a.origin.startswith("--")
+        console.print(f"[dim]  {a.name}: " + (f"{a.value:g} (given)" if given else a.origin) + "[/]")

@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from gpuwise.hardware.devices import bf16_native
+
 PCIE_GBS = {"gen3": 15.75, "gen4": 31.5, "gen5": 63.0}  # x16, one direction (PCI-SIG line rates)
 
 
@@ -38,8 +40,7 @@ def dtypes_for(device: torch.device, cpu_isa: list[str]) -> dict[str, torch.dtyp
     """fp32 everywhere; tf32, bf16, fp16 where the device runs them natively."""
     out = {"fp32": torch.float32}
     if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
-        if major >= 8:
+        if bf16_native(device.index or 0):  # the rule `devices` and `train` use
             out |= {"tf32": torch.float32, "bf16": torch.bfloat16}
         out["fp16"] = torch.float16
     elif {"avx512_bf16", "amx_bf16"} & set(cpu_isa):

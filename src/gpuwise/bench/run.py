@@ -6,12 +6,16 @@ with measurements.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from gpuwise.bench import macro, micro
 from gpuwise.errors import GpuwiseError
 from gpuwise.hardware.catalog import Catalog, match_device
 from gpuwise.hardware.cpu import detect_cpu
+from gpuwise.results import BenchResult
+from gpuwise.workloads import names as workload_names
 
 PROJECT_ON = ("l4", "a100-80gb", "h100-sxm")
 # Matmul projection: stas00/ml-engineering measured ~795 of 989 dense bf16 TFLOPS on an H100 (published.md).
@@ -47,8 +51,8 @@ def _peaks(device: torch.device, catalog: Catalog) -> dict:
         return {
             "name": cpu.model,
             "fp32_tflops": fp32,
-            "bf16_tflops": bf16,
             "tf32_tflops": None,
+            "bf16_tflops": bf16,
             "fp16_tflops": None,
             "bandwidth_gbs": None,
             "origin": cpu.derivation,
@@ -75,7 +79,11 @@ def _share(value: float, peak: float | None) -> float | None:
     return value / peak if peak else None
 
 
-def measure_device(device: torch.device, catalog: Catalog, size: str, progress=lambda msg: None) -> dict:
+def measure_device(
+    device: torch.device, catalog: Catalog, size: str, progress=lambda msg: None, workloads: list[str] | None = None
+) -> dict:
+    """Matmul per dtype, bandwidth, host <-> device copies, and a training step of each workload named
+    (default: every workload installed)."""
     n, bw_bytes, hd_bytes, steps, min_time = SIZES[size]["cuda" if device.type == "cuda" else "cpu"]
     peak = _peaks(device, catalog)
     isa = detect_cpu().isa if device.type == "cpu" else []
@@ -93,7 +101,7 @@ def measure_device(device: torch.device, catalog: Catalog, size: str, progress=l
         hd = micro.host_device(device, hd_bytes, min_time)
         link, origin = micro.pcie_peak(peak.get("interconnect", ""))
         out["host_device"] = hd | {"fraction_of_peak": _share(hd["h2d_gbs"], link), "peak_origin": origin}
-    for name in macro.WORKLOADS:
+    for name in workload_names() if workloads is None else workloads:
         progress(f"{device}: {name} training step")
         w = macro.throughput(name, device, steps, min_time)
         if not w["flops_per_step"]:
@@ -110,7 +118,8 @@ def measure_device(device: torch.device, catalog: Catalog, size: str, progress=l
 
 def project_gpu(slug: str, catalog: Catalog, cpu: dict) -> dict:
     """What the catalog says a GPU would do on the same tests: projections, never measurements."""
-    from gpuwise.train.report import LAMBDA_RESNET50, LAMBDA_SOURCE, RESNET50_TRAIN_FLOPS
+    from gpuwise.hardware.reference import LAMBDA_RESNET50, LAMBDA_SOURCE, RESNET50_TRAIN_FLOPS
+    from gpuwise.workloads.registry import get
 
     acc = catalog.get(slug)
     share, share_origin = MATMUL_SHARE
@@ -126,9 +135,9 @@ def project_gpu(slug: str, catalog: Catalog, cpu: dict) -> dict:
             out["matmul"][name] = {"tflops": peak * share, "basis": f"dense peak x {share:.2f} ({share_origin})"}
     out["bandwidth"] = {"triad_gbs": acc.mem_bw_gbs, "basis": "catalog peak (an upper bound)"}
     for name, r in cpu["workloads"].items():
-        if name != "defects" or slug not in LAMBDA_RESNET50:
+        if not get(name).convolutional or slug not in LAMBDA_RESNET50:
             # No measured rate to project from: PaLM's 46 % is a large model's figure, far above what a
-            # 4.5 M-parameter LM sustains, and the recommender's step is memory-bound lookups.
+            # small LM sustains, and a ranking model's step is memory-bound lookups.
             continue
         rate, basis = LAMBDA_RESNET50[slug][1] * RESNET50_TRAIN_FLOPS, LAMBDA_SOURCE
         seconds = r["flops_per_step"] / rate
@@ -147,12 +156,18 @@ def speedups(base: dict, other: dict) -> dict:
     return out
 
 
-def run_bench(device_spec: str, quick: bool, catalog: Catalog, progress=lambda msg: None) -> dict:
+def run_bench(
+    device_spec: str,
+    quick: bool,
+    catalog: Catalog,
+    progress: Callable[[str], object] = lambda msg: None,
+    workloads: list[str] | None = None,
+) -> BenchResult:
     devices = parse_devices(device_spec)
     size = "quick" if quick else "full"
     result = {"size": size, "torch": torch.__version__, "threads": torch.get_num_threads(), "devices": {}}
     for dev in devices:
-        result["devices"][str(dev)] = measure_device(dev, catalog, size, progress)
+        result["devices"][str(dev)] = measure_device(dev, catalog, size, progress, workloads)
     if "cpu" in result["devices"] and len(result["devices"]) > 1:
         cpu = result["devices"]["cpu"]
         result["speedup"] = {d: speedups(cpu, r) for d, r in result["devices"].items() if d != "cpu"}
@@ -160,4 +175,4 @@ def run_bench(device_spec: str, quick: bool, catalog: Catalog, progress=lambda m
         cpu = result["devices"]["cpu"]
         result["projections"] = {slug: project_gpu(slug, catalog, cpu) for slug in PROJECT_ON}
         result["speedup"] = {f"{slug} (projected)": speedups(cpu, p) for slug, p in result["projections"].items()}
-    return result
+    return BenchResult.build(result)

@@ -194,7 +194,7 @@ def retain_freed_memory() -> bool:
 
     glibc hands every block above its mmap threshold straight back to the kernel, so each training
     step maps its activations afresh and page-faults them in: 90 MB and ~22,000 faults a step for
-    the defects CNN at batch 16. On this VM (Firecracker) that made the step 0.29-0.31 s instead of
+    the solar-cell CNN at batch 16. On this VM (Firecracker) that made the step 0.29-0.31 s instead of
     0.21 s, and it moved with the host's memory state by up to 40 % between processes, which the
     plan cannot know. With mmap off and no trimming the same step faults zero pages and the peak
     resident set is lower (496 vs 523 MB): `python benchmarks/cpu_allocator.py` measures both side by

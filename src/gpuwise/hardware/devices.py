@@ -1,13 +1,15 @@
 """What is here: the CPU, every CUDA GPU and MPS, and what `gpuwise train` would run on.
 
-torch is imported inside ``detect()`` only, so `gpuwise plan` never pays for it.
+torch is imported only inside the functions that query it, so `gpuwise plan` never pays for it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
-from gpuwise.hardware.catalog import Catalog, match_device
+from gpuwise.errors import GpuwiseError
+from gpuwise.hardware.catalog import Accelerator, Catalog, match_device
 from gpuwise.hardware.cpu import CpuInfo, detect_cpu
 
 
@@ -18,7 +20,7 @@ class GpuInfo:
     memory_bytes: int
     compute_capability: str
     multiprocessors: int
-    bf16: bool
+    bf16: bool  # native bf16: see bf16_native
     catalog_slug: str | None
     peak_bf16_tflops: float | None  # the catalog's dense peak, when the card is in it
 
@@ -43,15 +45,33 @@ class Devices:
         }
 
 
+def bf16_native(index: int = 0) -> bool:
+    """Whether CUDA device `index` computes bf16 in hardware: compute capability 8.0 (Ampere) or later.
+
+    The one rule for bf16, for `gpuwise devices` and `gpuwise train` alike. Not
+    `torch.cuda.is_bf16_supported()`: it also says yes where bf16 is only emulated (a T4 or a V100),
+    where bf16 matmuls run on the CUDA cores at a fraction of the fp16 tensor-core rate (the catalog
+    lists no bf16 peak for a T4); fp16 with a loss scaler is the fast choice there.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    major, _ = torch.cuda.get_device_capability(index)
+    return major >= 8
+
+
 def choose_engine(cuda: list[GpuInfo], mps: bool) -> dict:
-    """cuda > mps > cpu; bf16-mixed where the GPU has bf16, 16-mixed on older GPUs, 32-true on CPU."""
+    """cuda > mps > cpu; bf16-mixed where every GPU has native bf16, 16-mixed on older GPUs, 32-true on CPU."""
     if cuda:
         bf16 = all(g.bf16 for g in cuda)
         return {
             "accelerator": "cuda",
             "devices": len(cuda),
             "precision": "bf16-mixed" if bf16 else "16-mixed",
-            "why": "bf16 supported (compute capability >= 8.0)" if bf16 else "no bf16 before compute capability 8.0",
+            "why": "native bf16 (compute capability >= 8.0)"
+            if bf16
+            else "no native bf16 before compute capability 8.0 (emulated bf16 is slower than fp16)",
         }
     if mps:
         return {"accelerator": "mps", "devices": 1, "precision": "16-mixed", "why": "Apple GPU: fp16 autocast"}
@@ -81,10 +101,62 @@ def detect(catalog: Catalog) -> Devices:
                     memory_bytes=p.total_memory,
                     compute_capability=f"{p.major}.{p.minor}",
                     multiprocessors=p.multi_processor_count,
-                    bf16=p.major >= 8,
+                    bf16=bf16_native(i),
                     catalog_slug=acc.slug if acc else None,
                     peak_bf16_tflops=acc.bf16_tflops if acc else None,
                 )
             )
     mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
     return Devices(cpu, gpus, mps, torch.__version__)
+
+
+# `gpuwise train`'s precisions in the planner's names: a plan of "here" assumes what train would pick.
+PLAN_PRECISION = {"bf16-mixed": "bf16", "16-mixed": "fp16", "32-true": "fp32"}
+
+
+def cpu_accelerator(cpu: CpuInfo) -> Accelerator:
+    """This CPU as a catalog row, for the planner: its RAM and its derived peaks. Its memory bandwidth
+    cannot be detected from inside the machine (see `gpuwise bench`), so it is left infinite: a roofline
+    then times the step by its FLOPs alone, a lower bound, rather than by a made-up figure."""
+    if not cpu.fp32_peak_gflops:
+        raise GpuwiseError(
+            f"no peak known for this CPU ({cpu.model}: {cpu.clock_origin}): pass --gpu SLUG (see `gpuwise hardware`)"
+        )
+    return Accelerator(
+        slug="cpu",
+        name=f"{cpu.model} (this CPU)",
+        vendor=cpu.vendor,
+        kind="cpu",
+        mem_gb=cpu.ram_bytes / 2**30,
+        mem_bw_gbs=math.inf,
+        fp32_tflops=cpu.fp32_peak_gflops / 1e3,
+        tf32_tflops=None,
+        bf16_tflops=cpu.bf16_peak_gflops / 1e3 if cpu.bf16_peak_gflops else None,
+        fp16_tflops=None,
+        fp8_tflops=None,
+        int8_tops=None,
+        tdp_w=None,
+        interconnect="",
+        nvlink_domain=1,
+        max_per_node=1,
+        launch_year=0,
+        device_names="",
+        source=f"detected here: {cpu.derivation}",
+        as_of="now",
+        origin="this machine",
+    )
+
+
+def here(catalog: Catalog) -> tuple[Accelerator, str]:
+    """What `gpuwise train` would run on here, as a catalog row, and the precision it would pick there
+    (planner names): the first CUDA GPU's row, else this CPU in fp32. A GPU the catalog does not know is
+    refused rather than planned as the CPU, which train would not use."""
+    dev = detect(catalog)
+    if dev.cuda:
+        gpu = dev.cuda[0]
+        if gpu.catalog_slug is None:
+            raise GpuwiseError(
+                f"this machine's GPU ({gpu.name}) is not in the catalog: pass --gpu SLUG, or add it with --catalog FILE"
+            )
+        return catalog.get(gpu.catalog_slug), PLAN_PRECISION[choose_engine(dev.cuda, mps=False)["precision"]]
+    return cpu_accelerator(dev.cpu), PLAN_PRECISION[choose_engine([], mps=False)["precision"]]

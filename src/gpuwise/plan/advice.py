@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gpuwise.hardware.reference import GiB
 from gpuwise.plan import request as r
 from gpuwise.plan.memory import memory
 
@@ -12,7 +13,6 @@ if TYPE_CHECKING:
     from gpuwise.plan.model import ModelSpec
     from gpuwise.plan.planner import Plan
 
-GiB = 2**30
 HEADROOM = 0.10
 STALE_BEFORE = "2025-01"  # prices older than this (or undated) are flagged
 

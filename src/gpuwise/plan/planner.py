@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpuwise.hardware.catalog import Accelerator, Catalog
+from gpuwise.hardware.reference import GiB
 from gpuwise.plan import advice
 from gpuwise.plan.compute import Compute, compute
 from gpuwise.plan.cost import check_provider, cloud_costs, onprem_cost
 from gpuwise.plan.memory import BYTES, Memory, memory, trainable_params
 from gpuwise.plan.model import ModelSpec
 from gpuwise.plan.request import Layout, PlanRequest, validate
+from gpuwise.results import PlanResult
 
-GiB = 2**30
 MAX_BATCH = 4096
 
 
@@ -36,7 +38,8 @@ class Plan:
         usd = [c["usd"] for c in self.cost] or ([self.onprem["usd"]] if self.onprem else [])
         return min(usd) if usd else None
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
+        """The option's fields of a PlanResult, by their JSON names."""
         m = self.model
         return {
             "model": {"name": m.name, "family": m.family, "params": m.params, "published_params": m.published_params},
@@ -183,7 +186,7 @@ def _sort_key(p: Plan):
     return (not p.fits, _slow_link(p), usd is None, usd or 0.0, p.compute.wall_hours if p.compute else 0.0)
 
 
-def make_plan(model: ModelSpec, req: PlanRequest, catalog: Catalog) -> dict:
+def build_plan(model: ModelSpec, req: PlanRequest, catalog: Catalog) -> PlanResult:
     """The whole answer: the recommended plan's fields at the top, every option under "options"."""
     validate(req, model)
     check_provider(catalog, req.provider)
@@ -195,14 +198,17 @@ def make_plan(model: ModelSpec, req: PlanRequest, catalog: Catalog) -> dict:
     best = options[0]
     fitting = [o for o in options if o.fits and o.compute and not _slow_link(o)]
     fastest = min(fitting, key=lambda o: o.compute.wall_hours) if fitting else None
-    result = best.as_dict()
-    result["recommended"] = best.fits
-    result["warnings"] = advice.plan_warnings(model, req, options, catalog) + best.warnings
-    result["assumptions"] = advice.assumptions_used(req, best)
-    result["options"] = []
-    for o in options:
-        row = o.as_dict()
-        row["cheapest"] = o is best and o.fits
-        row["fastest"] = o is fastest
-        result["options"].append(row)
-    return result
+    return PlanResult.build(
+        best.as_dict()
+        | {
+            "recommended": best.fits,
+            "warnings": advice.plan_warnings(model, req, options, catalog) + best.warnings,
+            "assumptions": advice.assumptions_used(req, best),
+            "options": [o.as_dict() | {"cheapest": o is best and o.fits, "fastest": o is fastest} for o in options],
+        }
+    )
+
+
+def make_plan(model: ModelSpec, req: PlanRequest, catalog: Catalog) -> dict[str, Any]:
+    """`build_plan` as the JSON object `plan --json` prints and the run record keeps."""
+    return build_plan(model, req, catalog).dump()

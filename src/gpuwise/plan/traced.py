@@ -98,21 +98,6 @@ def module_factory(spec: str):
     return build
 
 
-def workload_factory(name: str):
-    from gpuwise.bench.macro import WORKLOADS
-
-    if name not in WORKLOADS:
-        from gpuwise.errors import closest
-
-        raise GpuwiseError(f"unknown workload '{name}'{closest(name, WORKLOADS)}")
-
-    def build():
-        model, loss_fn, _, _ = WORKLOADS[name](torch.device("cpu"))
-        return model, loss_fn
-
-    return build
-
-
 # Tracing steps through every layer in Python, seconds of CPU each: the largest published dense models have
 # 126 to 160 layers, and past this a typo would hold the terminal for hours.
 MAX_TRACED_LAYERS = 256
@@ -234,7 +219,7 @@ def _trace(name: str, build, acc: Accelerator, precision: str, peak: float, mesh
     with FakeTensorMode(allow_non_fake_inputs=True):
         model, loss_fn = build()
         if mesh is not None:
-            from gpuwise.train.engine import fully_shard_model
+            from gpuwise.plan.sharding import fully_shard_model
 
             model = fully_shard_model(model, mesh)  # as `gpuwise train --strategy fsdp` shards it
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)

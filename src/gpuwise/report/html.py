@@ -1,48 +1,114 @@
-"""Self-contained HTML reports (PNG plots inlined as data URIs): a run, a plan sweep, a bench."""
+"""Self-contained HTML reports (PNG plots inlined as data URIs): a run, a plan sweep, a bench.
+
+The pages are jinja2 templates with autoescape on: every string from a run's files or the record (a run
+directory, a metric name, a price source) is escaped where it lands, never by hand."""
 
 from __future__ import annotations
 
 import base64
-import html
 import json
 from pathlib import Path
+from typing import Any
+
+from jinja2 import DictLoader, Environment
+from pydantic import ValidationError
 
 from gpuwise.errors import GpuwiseError, first_line
+from gpuwise.hardware.reference import GiB
 from gpuwise.report import plots
+from gpuwise.results import BenchResult, PlanResult, TrainSummary, problem
 
-STYLE = """body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;color:#222}
+TEMPLATES = {
+    "page.html": """<!doctype html>
+<html><head><meta charset='utf-8'><title>{{ title }}</title>
+<style>body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;color:#222}
 table{border-collapse:collapse;margin:1em 0}td,th{border-bottom:1px solid #ddd;padding:4px 10px;text-align:right}
-td:first-child,th:first-child{text-align:left}img{max-width:100%}.note{color:#666;font-size:90%}"""
+td:first-child,th:first-child{text-align:left}img{max-width:100%}.note{color:#666;font-size:90%}</style></head>
+<body><h1>{{ title }}</h1>
+{% block body %}{% endblock %}
+</body></html>
+""",
+    "parts.html": """{% macro table(header, rows) -%}
+<table><tr>{% for h in header %}<th>{{ h }}</th>{% endfor %}</tr>
+{% for row in rows %}<tr>{% for c in row %}<td>{{ c | cell }}</td>{% endfor %}</tr>
+{% endfor %}</table>
+{%- endmacro %}
+{% macro img(figure) -%}
+<img alt="{{ figure.alt }}" src="data:image/png;base64,{{ figure.png | b64 }}">
+{%- endmacro %}
+""",
+    "run.html": """{% extends "page.html" %}{% from "parts.html" import table, img %}
+{% block body %}
+<p>{{ s.device }}, {{ s.precision }}, {{ s.steps }} steps ({{ "%.1f" | format(s.epochs) }} epochs),
+global batch {{ s.global_batch }} = micro-batch {{ s.micro_batch }} x {{ s.accumulation }};
+run directory <code>{{ s.run_dir }}</code></p>
+<h2>Quality on held-out data</h2>
+{{ table(["metric", "this run", s.baseline.name or "baseline", "published"], quality) }}
+{% if s.published %}<p class='note'>published: {{ s.published.get("source", "") }}</p>
+{% endif %}
+{% if training %}<h2>Training</h2>
+{% for figure in training %}{{ img(figure) }}
+{% endfor %}{% endif %}
+{% for figure in evals %}{{ img(figure) }}
+{% endfor %}
+<h2>Plan against actual</h2>
+{{ img(plan_figure) }}
+<p class='note'>plan: {{ s.plan.method }}; efficiency {{ s.plan.efficiency_origin }}. actual memory:
+{{ s.actual.method }}</p>
+{% if s.projection %}<h2>The same run on catalog GPUs (projection)</h2>
+{{ table(["GPU", "precision", "sustained TFLOPS", "seconds", "USD", "price basis"], projection) }}
+<p class='note'>{{ s.projection[0].basis }}</p>
+{% endif %}
+{% endblock %}
+""",
+    "plan.html": """{% extends "page.html" %}{% from "parts.html" import table, img %}
+{% block body %}
+{{ img(figure) }}
+<h2>Pareto front</h2>
+{{ table(["option", "hours", "USD", "provider"], front) }}
+<p class='note'>plan record #{{ record.id }}, {{ record.created }}; prices carry their sources in the record
+(gpuwise runs show).</p>
+{% endblock %}
+""",
+    "bench.html": """{% extends "page.html" %}{% from "parts.html" import table, img %}
+{% block body %}
+{{ img(figure) }}
+{{ table(["device", "test", "achieved", "unit", "fraction of peak"], rows) }}
+{% if projected %}<p class='note'>Hatched bars are projections from the catalog, not measurements.</p>
+{% endif %}
+{% endblock %}
+""",
+}
 
 
-def _img(png: bytes, alt: str) -> str:
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
-
-
-def _table(header: list[str], rows: list[list]) -> str:
-    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
-
-
-def _fmt(x) -> str:
+def _fmt(x: object) -> str:
     if isinstance(x, float):
         return f"{x:.4g}"
     return "-" if x is None else str(x)
 
 
-def _page(title: str, parts: list[str]) -> str:
-    return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-        f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{''.join(parts)}</body></html>"
-    )
+def _b64(png: bytes) -> str:
+    return base64.b64encode(png).decode()
+
+
+_env = Environment(loader=DictLoader(TEMPLATES), autoescape=True, trim_blocks=True, lstrip_blocks=True)
+_env.filters["cell"] = _fmt
+_env.filters["b64"] = _b64
+
+
+def _page(template: str, title: str, **values: Any) -> str:
+    return _env.get_template(template).render(title=title, **values)
+
+
+def _figure(png: bytes, alt: str) -> dict[str, Any]:
+    return {"png": png, "alt": alt}
 
 
 # A long run logs a line per step: a million steps is ~200 MB. Past this, the file is not a metrics log.
 MAX_METRICS_BYTES = 512 * 2**20
 
 
-def _read_run(run_dir: Path) -> tuple[dict, list[dict]]:
+def _read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """summary.json and metrics.jsonl of a finished run, or one line saying which is missing or damaged."""
     from gpuwise.files import MAX_FILE_BYTES, read_text_file
 
@@ -60,7 +126,7 @@ def _read_run(run_dir: Path) -> tuple[dict, list[dict]]:
     return _json_object(str(run_dir / "summary.json"), texts["summary.json"]), rows
 
 
-def _json_object(where: str, text: str) -> dict:
+def _json_object(where: str, text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except (ValueError, RecursionError):
@@ -72,124 +138,82 @@ def _json_object(where: str, text: str) -> dict:
 
 # What a page builder raises when the JSON it reads parses but is not what gpuwise wrote (a field missing,
 # a string where a number was): the files and the record are untrusted input, hand-edited or damaged.
+# pydantic's ValidationError is a ValueError.
 DAMAGED = (KeyError, TypeError, ValueError, AttributeError, IndexError)
 
 
 def damaged(e: Exception) -> str:
     """What was wrong, as few words: the missing field where there is one."""
+    if isinstance(e, ValidationError):
+        return problem(e)
     return f"no '{e.args[0]}'" if isinstance(e, KeyError) else f"a value of the wrong kind: {first_line(e)}"
 
 
 def run_report(run_dir: Path) -> str:
     summary, rows = _read_run(run_dir)
     try:
-        return _run_page(summary, rows)
+        return _run_page(TrainSummary.load(summary), rows)
     except DAMAGED as e:
         raise GpuwiseError(f"{run_dir}: not what gpuwise train writes ({damaged(e)})") from None
 
 
-def _run_page(summary: dict, rows: list[dict]) -> str:
+def _run_page(s: TrainSummary, rows: list[dict[str, Any]]) -> str:
     train = [r for r in rows if "loss" in r]
-    s, ev, base = summary, summary["eval"], summary.get("baseline", {})
-    parts = [
-        f"<p>{html.escape(s['device'])}, {html.escape(s['precision'])}, {s['steps']} steps "
-        f"({s['epochs']:.1f} epochs), global batch {s['global_batch']} = micro-batch {s['micro_batch']} x "
-        f"{s['accumulation']}; run directory <code>{html.escape(s['run_dir'])}</code></p>"
-    ]
+    ev, base, published = s.eval, s.baseline, s.published
     keys = [k for k, v in ev.items() if isinstance(v, int | float) and k not in ("n", "users", "threshold")]
-    published = s.get("data", {}).get("published", {})
-    parts.append(
-        "<h2>Quality on held-out data</h2>"
-        + _table(
-            ["metric", "this run", base.get("name", "baseline"), "published"],
-            [[k, ev[k], base.get(k), published.get(k)] for k in keys],
-        )
-    )
-    if published:
-        parts.append(f"<p class='note'>published: {html.escape(published.get('source', ''))}</p>")
+    quality = [[k, ev[k], base.metrics.get(k), published.get(k)] for k in keys]
+    training = []
     if train:
         steps = [r["step"] for r in train]
-        parts.append(
-            "<h2>Training</h2>"
-            + _img(
-                plots.loss_curve(
-                    steps,
-                    [r["loss"] for r in train],
-                    [r.get("lr") for r in train if "lr" in r],
-                    f"{s['workload']}: loss and learning rate",
-                ),
-                "loss curve",
-            )
+        loss = plots.loss_curve(
+            steps,
+            [r["loss"] for r in train],
+            [r.get("lr") for r in train if "lr" in r],
+            f"{s.workload}: loss and learning rate",
         )
-        parts.append(
-            _img(
-                plots.series(
-                    steps,
-                    [r["samples_per_s"] for r in train],
-                    "samples / s",
-                    "throughput per step (the first pays for warm-up)",
-                ),
-                "throughput",
-            )
+        speed = plots.series(
+            steps,
+            [r["samples_per_s"] for r in train],
+            "samples / s",
+            "throughput per step (the first pays for warm-up)",
         )
+        training = [_figure(loss, "loss curve"), _figure(speed, "throughput")]
+    evals = []
     for key in sorted({k for r in rows for k in r if k.startswith("eval/")}):
         pts = [(r["step"], r[key]) for r in rows if key in r]
         if len(pts) > 1:
-            parts.append(
-                _img(
-                    plots.series(
-                        [p[0] for p in pts], [p[1] for p in pts], key[5:], f"held-out {key[5:]} during training"
-                    ),
-                    key,
-                )
-            )
-    plan, actual = s.get("plan", {}), s.get("actual", {})
-    gib = 2**30
-    parts.append(
-        "<h2>Plan against actual</h2>"
-        + _img(
-            plots.plan_vs_actual(
-                [
-                    (
-                        "peak memory",
-                        plan.get("peak_bytes") and plan["peak_bytes"] / gib,
-                        actual.get("peak_bytes") and actual["peak_bytes"] / gib,
-                        "GiB",
-                    ),
-                    ("step time", plan.get("step_time_s"), actual.get("step_time_s"), "seconds"),
-                ]
+            png = plots.series([p[0] for p in pts], [p[1] for p in pts], key[5:], f"held-out {key[5:]} during training")
+            evals.append(_figure(png, key))
+    plan, actual = s.plan, s.actual
+    gib = GiB
+    versus = plots.plan_vs_actual(
+        [
+            (
+                "peak memory",
+                plan.peak_bytes and plan.peak_bytes / gib,
+                actual.peak_bytes and actual.peak_bytes / gib,
+                "GiB",
             ),
-            "plan vs actual",
-        )
+            ("step time", plan.step_time_s, actual.step_time_s, "seconds"),
+        ]
     )
-    parts.append(
-        f"<p class='note'>plan: {html.escape(str(plan.get('method')))}; efficiency "
-        f"{html.escape(str(plan.get('efficiency_origin')))}. actual memory: "
-        f"{html.escape(str(actual.get('method')))}</p>"
+    projection = [
+        [p.gpu, p.precision, p.sustained_tflops, p.seconds, p.usd, f"{p.provider or '-'} {p.as_of or ''}"]
+        for p in s.projection
+    ]
+    return _page(
+        "run.html",
+        f"gpuwise run: {s.workload}",
+        s=s,
+        quality=quality,
+        training=training,
+        evals=evals,
+        plan_figure=_figure(versus, "plan vs actual"),
+        projection=projection,
     )
-    if s.get("projection"):
-        parts.append(
-            "<h2>The same run on catalog GPUs (projection)</h2>"
-            + _table(
-                ["GPU", "precision", "sustained TFLOPS", "seconds", "USD", "price basis"],
-                [
-                    [
-                        p["gpu"],
-                        p["precision"],
-                        p["sustained_tflops"],
-                        p["seconds"],
-                        p.get("usd"),
-                        f"{p.get('provider', '-')} {p.get('as_of', '')}",
-                    ]
-                    for p in s["projection"]
-                ],
-            )
-        )
-        parts.append(f"<p class='note'>{html.escape(s['projection'][0]['basis'])}</p>")
-    return _page(f"gpuwise run: {s['workload']}", parts)
 
 
-def pareto_front(points: list[dict]) -> list[dict]:
+def pareto_front(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The options no other option beats on both time and cost, fastest first."""
     front, best = [], float("inf")
     for p in sorted(points, key=lambda p: (p["hours"], p["usd"])):
@@ -199,56 +223,47 @@ def pareto_front(points: list[dict]) -> list[dict]:
     return front
 
 
-def plan_report(record: dict) -> str:
-    d = record["data"]
+def plan_report(record: dict[str, Any]) -> str:
+    if record["data"].get("traced"):  # one step on fake tensors: no job to price
+        raise GpuwiseError(f"plan #{record['id']} has no priced option that fits: nothing to draw")
+    d = PlanResult.load(record["data"])
     points = []
-    for o in d.get("options", []):
-        if o["fits"] and o["compute"] and o["cost"]:
-            c = min(o["cost"], key=lambda c: c["usd"])
+    for o in d.options:
+        if o.fits and o.compute and o.cost:
+            c = min(o.cost, key=lambda c: c.usd)
             points.append(
-                {
-                    "label": f"{o['gpus']}x {o['gpu']}",
-                    "hours": o["compute"]["wall_hours"],
-                    "usd": c["usd"],
-                    "provider": c["provider"],
-                }
+                {"label": f"{o.gpus}x {o.gpu}", "hours": o.compute.wall_hours, "usd": c.usd, "provider": c.provider}
             )
     if not points:
         raise GpuwiseError(f"plan #{record['id']} has no priced option that fits: nothing to draw")
     front = pareto_front(points)
-    title = f"{d['model']['name']} {d['task']}: cost against time, every priced option that fits"
-    parts = [
-        _img(plots.pareto(points, front, title), "Pareto front"),
-        "<h2>Pareto front</h2>"
-        + _table(
-            ["option", "hours", "USD", "provider"], [[p["label"], p["hours"], p["usd"], p["provider"]] for p in front]
-        ),
-        f"<p class='note'>plan record #{record['id']}, {html.escape(record['created'])}; prices carry their "
-        "sources in the record (gpuwise runs show).</p>",
-    ]
-    return _page(f"gpuwise plan: {d['model']['name']} {d['task']}", parts)
+    title = f"{d.model.name} {d.task}: cost against time, every priced option that fits"
+    return _page(
+        "plan.html",
+        f"gpuwise plan: {d.model.name} {d.task}",
+        figure=_figure(plots.pareto(points, front, title), "Pareto front"),
+        front=[[p["label"], p["hours"], p["usd"], p["provider"]] for p in front],
+        record=record,
+    )
 
 
-def bench_report(record: dict) -> str:
+def bench_report(record: dict[str, Any]) -> str:
     import tempfile
 
     from gpuwise.bench.chart import draw
 
-    d = record["data"]
+    d = BenchResult.load(record["data"])
     with tempfile.TemporaryDirectory() as tmp:
-        png = draw(d, Path(tmp) / "bench.png").read_bytes()
-    rows = []
-    for dev, r in d["devices"].items():
-        rows += [
-            [dev, f"matmul {k}", m["tflops"] * 1e3, "GFLOP/s", m.get("fraction_of_peak")]
-            for k, m in r["matmul"].items()
-        ]
-        rows.append([dev, "bandwidth triad", r["bandwidth"]["triad_gbs"], "GB/s", r["bandwidth"]["fraction_of_peak"]])
-        rows += [
-            [dev, f"{k} step", w["samples_per_s"], "samples/s", w.get("fraction_of_peak")]
-            for k, w in r["workloads"].items()
-        ]
-    parts = [_img(png, "bench bars"), _table(["device", "test", "achieved", "unit", "fraction of peak"], rows)]
-    if d.get("projections"):
-        parts.append("<p class='note'>Hatched bars are projections from the catalog, not measurements.</p>")
-    return _page(f"gpuwise bench #{record['id']} ({d['size']})", parts)
+        png = draw(d.dump(), Path(tmp) / "bench.png").read_bytes()
+    rows: list[list[Any]] = []
+    for dev, r in d.devices.items():
+        rows += [[dev, f"matmul {k}", m.tflops * 1e3, "GFLOP/s", m.fraction_of_peak] for k, m in r.matmul.items()]
+        rows.append([dev, "bandwidth triad", r.bandwidth.triad_gbs, "GB/s", r.bandwidth.fraction_of_peak])
+        rows += [[dev, f"{k} step", w.samples_per_s, "samples/s", w.fraction_of_peak] for k, w in r.workloads.items()]
+    return _page(
+        "bench.html",
+        f"gpuwise bench #{record['id']} ({d.size})",
+        figure=_figure(png, "bench bars"),
+        rows=rows,
+        projected=bool(d.projections),
+    )

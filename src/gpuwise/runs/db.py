@@ -14,11 +14,16 @@ import stat
 import time
 from contextlib import closing
 from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
 
 from gpuwise.errors import GpuwiseError
 from gpuwise.files import to_json
+from gpuwise.results import BenchResult, PlanResult, R, Result, TrainSummary, problem
 
 ENV_VAR = "GPUWISE_DB"
+KINDS: dict[str, type[Result]] = {"plan": PlanResult, "bench": BenchResult, "train": TrainSummary}
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -99,7 +104,11 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def record(kind: str, device: str, name: str, data: dict, run_dir: str | None = None, path: Path | None = None) -> int:
+def record(
+    kind: str, device: str, name: str, data: Result | dict, run_dir: str | None = None, path: Path | None = None
+) -> int:
+    if isinstance(data, Result):
+        data = data.dump()
     with closing(connect(path)) as con, con:
         cur = con.execute(
             "INSERT INTO records (kind, created, device, name, run_dir, data) VALUES (?, ?, ?, ?, ?, ?)",
@@ -166,17 +175,37 @@ def get(record_id: int, path: Path | None = None) -> dict:
     return found[0]
 
 
-def compare(path: Path | None = None) -> list[dict]:
+def typed(row: dict[str, Any], path: Path | None = None) -> Result | None:
+    """A record's data as the result its kind declares (PlanResult, BenchResult, TrainSummary); None for a
+    plan traced on fake tensors (a shape of its own) or a kind this gpuwise does not know. Data that does not
+    fit its kind (hand-edited, damaged) is one line naming the record."""
+    kind = KINDS.get(row["kind"])
+    if kind is None or (row["kind"] == "plan" and row["data"].get("traced")):
+        return None
+    return load_data(row, kind, path)
+
+
+def load_data(row: dict[str, Any], kind: type[R], path: Path | None = None) -> R:
+    """A record's data as `kind`, or one line naming the record and the field at fault."""
+    try:
+        return kind.load(row["data"])
+    except ValidationError as e:
+        where = Path(path) if path else default_path()
+        raise GpuwiseError(f"record #{row['id']} in {where} is damaged: {problem(e)}") from None
+
+
+def compare(path: Path | None = None) -> list[dict[str, Any]]:
     """Every training run's estimates against what it measured: signed (estimate - measured) / measured."""
     out = []
     for r in rows("train", path):
-        plan, actual = r["data"].get("plan", {}), r["data"].get("actual", {})
+        summary = load_data(r, TrainSummary, path)
+        plan, actual = summary.plan, summary.actual
         row = {"id": r["id"], "workload": r["name"], "device": r["device"], "created": r["created"]}
         for key, label in (("peak_bytes", "memory_error"), ("step_time_s", "step_time_error")):
-            p, a = plan.get(key), actual.get(key)
+            p, a = getattr(plan, key), getattr(actual, key)
             row[label] = (p - a) / a if p and a else None
             row[f"plan_{key}"], row[f"actual_{key}"] = p, a
-        row["step_time_basis"] = plan.get("efficiency_origin") or plan.get("time_origin")
+        row["step_time_basis"] = plan.efficiency_origin or plan.time_origin
         out.append(row)
     return out
 
@@ -198,7 +227,7 @@ def calibration_map(path: Path | None = None) -> dict[tuple[str, str], tuple[flo
     }
 
 
-def try_record(kind: str, device: str, name: str, data: dict, run_dir: str | None = None) -> int | None:
+def try_record(kind: str, device: str, name: str, data: Result | dict, run_dir: str | None = None) -> int | None:
     """Record, or say in one line on stderr why not: a full disk must not cost the user the result."""
     import sys
 

@@ -1,41 +1,27 @@
-"""The HTTP API: FastAPI routes for the served workload, its limits, its key and its metrics."""
+"""The HTTP API around a served workload: its key, its limits, its metrics, /health and /v1/info, and
+the dynamic batcher; the workload adds its own routes (`Served.routes`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Annotated
 
-from fastapi import FastAPI, File, Request, UploadFile
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import BaseModel
 
 from gpuwise.serve.batcher import DynamicBatcher, ServeMetrics
-from gpuwise.serve.models import ClientError, Job, Limits
+from gpuwise.workloads.serving import ClientError, Limits, ServeContext
 
 log = logging.getLogger("gpuwise.serve")
-MAX_STOP_CHARS = 128  # per stop string: transformers builds a table per stop string x vocabulary (100,000 chars: 4 GB)
-
-
-def _utf8(text: str) -> str:
-    """JSON can carry lone surrogates (\\udc80) that no UTF-8 answer can echo back: a 422, not a 500."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("is not valid Unicode text (a lone surrogate)") from None
-    return text
-
-
-Text = Annotated[str, AfterValidator(_utf8)]
 
 
 @dataclass
@@ -49,51 +35,6 @@ class Settings:
 
     def __post_init__(self):
         self.limits = self.limits or Limits()
-
-
-class Prediction(BaseModel):
-    file: str
-    probability: float = Field(description="Probability of the positive class")
-    label: str
-
-
-class PredictResponse(BaseModel):
-    predictions: list[Prediction]
-
-
-class RecommendRequest(BaseModel):
-    user: Text | int
-    k: int = Field(10, description="Items to return (at most the server's --max-k)")
-    exclude_seen: bool = Field(True, description="Leave out items the user interacted with in training")
-
-
-class Item(BaseModel):
-    item: str
-    title: str | None = None
-    score: float | None = Field(None, description="Model score; none for popular items")
-
-
-class RecommendResponse(BaseModel):
-    user: str
-    source: str = Field(description="'model', or 'popular' for a user the model has not seen")
-    items: list[Item]
-
-
-class GenerateRequest(BaseModel):
-    prompt: Text = Field(min_length=1)
-    max_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.8, ge=0, le=5, allow_inf_nan=False, description="0 (or under 0.001): greedy")
-    top_p: float = Field(0.95, gt=0, le=1, allow_inf_nan=False)
-    stop: list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
-        default_factory=list, max_length=4, description=f"Up to 4 strings of up to {MAX_STOP_CHARS} characters"
-    )
-    stream: bool = Field(False, description='Server-sent events: data: {"text": ...} per piece, then data: [DONE]')
-
-
-class GenerateResponse(BaseModel):
-    text: str
-    tokens: int
-    finish_reason: str
 
 
 class Info(BaseModel):
@@ -208,22 +149,6 @@ class Guard:
         self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
 
 
-async def _until_done(request: Request, work: asyncio.Future, job: Job, timeout_s: float):
-    """The result of `work`, watching meanwhile for the client leaving (every 50 ms) and the deadline;
-    either stops the job, so the model drops it at its next token."""
-    try:
-        while True:
-            done, _ = await asyncio.wait({work}, timeout=0.05)
-            if done:
-                return work.result()
-            if job.stopped():
-                raise ClientError(504, f"no answer within the {timeout_s:g} s request timeout")
-            if await request.is_disconnected():
-                raise ClientError(499, "client closed the request")
-    finally:
-        job.cancel()
-
-
 def create_app(served, settings: Settings, run_id: str, precision: str):
     limits, metrics = settings.limits, ServeMetrics()
     batcher = DynamicBatcher(served, settings.max_batch, settings.max_wait_ms, metrics)
@@ -233,7 +158,7 @@ def create_app(served, settings: Settings, run_id: str, precision: str):
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
-        if served.workload != "product-lm":
+        if served.batched:
             await batcher.start()
         yield
         await batcher.stop()
@@ -287,80 +212,7 @@ def create_app(served, settings: Settings, run_id: str, precision: str):
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    if served.workload == "defects":
-
-        @app.post("/v1/predict", response_model=PredictResponse)
-        async def predict(file: Annotated[list[UploadFile], File(description="PNG or JPEG, repeatable")]):
-            if len(file) > limits.max_images:
-                raise ClientError(413, f"{len(file)} images; at most {limits.max_images} per request")
-            blobs = [(await f.read(), f.filename or f"file {n + 1}") for n, f in enumerate(file)]
-            pixels = sum(served.pixels(data, name) for data, name in blobs)  # headers only: cheap
-            if pixels > limits.max_request_pixels:
-                raise ClientError(413, f"{pixels:,} pixels in this request; at most {limits.max_request_pixels:,}")
-            loop = asyncio.get_running_loop()
-            decoding = loop.run_in_executor(decoder, lambda: [served.decode(data, name) for data, name in blobs])
-            try:
-                images = await asyncio.wait_for(decoding, limits.timeout_s)
-            except TimeoutError:
-                raise ClientError(
-                    504, f"images not decoded within the {limits.timeout_s:g} s request timeout"
-                ) from None
-            results = await answer(images)
-            return PredictResponse(
-                predictions=[Prediction(file=f.filename or "", **r) for f, r in zip(file, results, strict=True)]
-            )
-
-    if served.workload == "recommender":
-
-        @app.post("/v1/recommend", response_model=RecommendResponse)
-        async def recommend(ask: RecommendRequest):
-            if not 1 <= ask.k <= limits.max_k:
-                raise ClientError(422, f"k: must be between 1 and {limits.max_k}")
-            user = str(ask.user)
-            if user not in served.user_index:
-                return RecommendResponse(user=user, source="popular", items=served.popular_items(ask.k))
-            [items] = await answer([(served.user_index[user], ask.k, ask.exclude_seen)])
-            return RecommendResponse(user=user, source="model", items=items)
-
-    if served.workload == "product-lm":
-
-        @app.post("/v1/generate", response_model=GenerateResponse)
-        async def generate(ask: GenerateRequest, request: Request):
-            if ask.max_tokens > limits.max_tokens:
-                raise ClientError(422, f"max_tokens: at most {limits.max_tokens}")
-            if len(ask.prompt) > limits.max_prompt_chars:
-                raise ClientError(413, f"prompt: {len(ask.prompt):,} characters; at most {limits.max_prompt_chars:,}")
-            job = Job(limits.timeout_s)
-            args = (ask.prompt, ask.max_tokens, ask.temperature, ask.top_p, ask.stop, job)
-            if not ask.stream:
-                result = await _until_done(
-                    request, asyncio.ensure_future(asyncio.to_thread(served.generate, *args)), job, limits.timeout_s
-                )
-                return GenerateResponse(**result)
-            pieces = served.stream(*args)  # checks the prompt (a 4xx) before the stream starts
-
-            async def events():
-                sent = ""
-                try:  # a client that leaves cancels this generator: the finally stops the model
-                    while (piece := await pieces.get()) is not None:
-                        text, stopped = served.cut(sent + piece, ask.stop)
-                        if len(text) > len(sent):
-                            yield f"data: {json.dumps({'text': text[len(sent) :]})}\n\n"
-                            sent = text
-                        if stopped:
-                            break
-                    if job.error is not None:
-                        log.error("generation failed: %r", job.error)
-                        metrics.internal_errors.inc()
-                        yield f"data: {json.dumps({'error': 'internal error (logged by the server)'})}\n\n"
-                    elif job.expired:
-                        late = f"stopped at the {limits.timeout_s:g} s request timeout"
-                        yield f"data: {json.dumps({'error': late})}\n\n"
-                    yield "data: [DONE]\n\n"
-                finally:
-                    job.cancel()
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+    served.routes(ServeContext(app, limits, answer, decoder, metrics.internal_errors, log))
 
     return Guard(app, settings.api_key, limits, metrics)
 

@@ -1,8 +1,9 @@
-"""ONNX export of a finished defects or recommender run, and an onnxruntime forward over the result.
+"""ONNX export of a finished run whose workload has an ONNX graph (`Workload.onnx`), and a check of the
+result against torch on real inputs.
 
-The graph takes what the torch model takes: defects, images already scaled to [-1, 1] as
-``defects.to_tensor`` does; recommender, user indices into ids.json's ``users``. Scoring and
-thresholds stay in Python on both sides, so torch and ONNX serving share them.
+The graph takes what the torch model takes (`Workload.export_model`): images already scaled as the
+model wants them, or ids. Scoring and thresholds stay in Python on both sides, so torch and ONNX serving
+share them.
 """
 
 from __future__ import annotations
@@ -12,43 +13,31 @@ import io
 import logging
 import os
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from gpuwise.errors import GpuwiseError, first_line
+from gpuwise.errors import GpuwiseError, first_line, loading_model
+from gpuwise.workloads.serving import onnx_forward
 
-ONNX_WORKLOADS = ("defects", "recommender")
-# input name, output name, and the saved files the torch model is rebuilt from
-SIGNATURES = {
-    "defects": ("images", "logits", ("labels.json", "model.safetensors")),
-    "recommender": ("users", "scores", ("ids.json", "model.safetensors")),
-}
-_DTYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
+__all__ = ["compare_with_torch", "export_onnx", "load_torch", "onnx_forward"]
 
 
 def load_torch(run_dir: Path):
-    """(cfg, model in eval mode, meta) of a finished defects/recommender run, or a one-line GpuwiseError."""
-    from gpuwise.train.records import load_config, loading_model, require_finished
+    """(cfg, workload, module to export in eval mode, example input, meta) of a finished run, or one line."""
+    from gpuwise.train.records import load_config, require_finished
 
     cfg = load_config(run_dir)
-    if cfg.workload not in ONNX_WORKLOADS:
-        raise GpuwiseError(f"export --format onnx covers defects and recommender; {cfg.workload} serves through torch")
+    workload = cfg.workload_def()
+    if workload.onnx is None:
+        raise GpuwiseError(f"export --format onnx does not apply to {cfg.workload}: it serves through torch")
     require_finished(run_dir)
-    missing = [f for f in SIGNATURES[cfg.workload][2] if not (run_dir / f).exists()]
+    missing = [f for f in workload.onnx.files if not (run_dir / f).exists()]
     if missing:
         raise GpuwiseError(f"{run_dir}: no {', '.join(missing)} — the run saved no model to export")
     with loading_model(run_dir):
-        if cfg.workload == "defects":
-            from gpuwise.workloads.defects import load_trained
-
-            model, meta = load_trained(run_dir, cfg)
-        else:
-            from gpuwise.workloads.recommender import load_trained
-
-            model, meta = load_trained(run_dir)
-    return cfg, model.eval(), meta
+        module, example, meta = workload.export_model(run_dir, cfg)
+    return cfg, workload, module.eval(), example, meta
 
 
 @contextlib.contextmanager
@@ -73,15 +62,7 @@ def export_onnx(run_dir: Path, loaded: tuple | None = None) -> Path:
     import onnx
     import torch
 
-    cfg, model, meta = loaded or load_torch(run_dir)
-    in_name, out_name, _ = SIGNATURES[cfg.workload]
-    if cfg.workload == "defects":
-        size = meta["image_size"]
-        module, example = model, torch.zeros(2, 1, size, size)
-    else:
-        from gpuwise.workloads.recommender import AllScores
-
-        module, example = AllScores(model).eval(), torch.zeros(2, dtype=torch.int64)
+    _, workload, module, example, _ = loaded or load_torch(run_dir)
     # An example batch of 2, not 1: torch.export specializes a size-1 dimension to a constant.
     path, tmp = run_dir / "model.onnx", run_dir / f".model.onnx.{os.getpid()}.tmp"
     try:
@@ -92,8 +73,8 @@ def export_onnx(run_dir: Path, loaded: tuple | None = None) -> Path:
                 module,
                 (example,),
                 str(tmp),
-                input_names=[in_name],
-                output_names=[out_name],
+                input_names=[workload.onnx.input],
+                output_names=[workload.onnx.output],
                 dynamic_shapes=({0: torch.export.Dim("batch")},),
                 dynamo=True,
                 external_data=False,  # one self-contained file, so the rename below moves all of it
@@ -108,66 +89,13 @@ def export_onnx(run_dir: Path, loaded: tuple | None = None) -> Path:
     return path
 
 
-def onnx_forward(path: Path) -> Callable[[np.ndarray], np.ndarray]:
-    """The model's one input (float32 images or int64 users) -> its one output, through onnxruntime."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 4  # its errors come back as exceptions; logging them too would print twice
-    try:
-        session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own pybind error types
-        run = path.parent
-        raise GpuwiseError(
-            f"{path}: not a readable ONNX model ({first_line(e)}) — run `gpuwise export {run} --format onnx`"
-        ) from None
-    (inp,), (out,) = session.get_inputs(), session.get_outputs()
-    dtype = _DTYPES.get(inp.type, np.float32)
-
-    def forward(x: np.ndarray) -> np.ndarray:
-        return session.run([out.name], {inp.name: np.ascontiguousarray(x, dtype=dtype)})[0]
-
-    return forward
-
-
-def sample_inputs(cfg, meta: dict, n: int = 8) -> tuple[np.ndarray, str]:
-    """Up to n real inputs for the exported graph, and where they came from: the run's own images
-    (its --data folder or ELPV) or users; random images only when its data is not readable here."""
-    if cfg.workload == "recommender":
-        users = np.unique(np.linspace(0, len(meta["users"]) - 1, n).astype(np.int64))
-        return users, "users of ids.json"
-    from gpuwise.workloads import defects
-
-    size, images, source = meta["image_size"], None, None
-    try:
-        if cfg.data:
-            root = Path(cfg.data)
-            files = sorted(p for p in root.rglob("*") if p.suffix.lower() in defects.IMAGE_SUFFIXES)
-            if files:  # evenly spaced over the sorted list, so both class folders are sampled
-                pick = [files[int(i)] for i in np.unique(np.linspace(0, len(files) - 1, n).astype(int))]
-                images, source = np.stack([defects.read_image(f, size) for f in pick]), str(root)
-        else:
-            from elpv_dataset.utils import load_dataset
-
-            all_images = load_dataset()[0]
-            images = defects._resize(all_images[np.linspace(0, len(all_images) - 1, n).astype(int)], size)
-            source = "ELPV"
-    except (GpuwiseError, ImportError, OSError, ValueError):
-        images = None
-    if images is None:
-        images = np.random.default_rng(0).integers(0, 256, (n, size, size), dtype=np.uint8)
-        source = "random images (the run's data is not readable here)"
-    return defects.to_tensor(images).numpy(), source
-
-
 def compare_with_torch(run_dir: Path, path: Path, n: int = 8, loaded: tuple | None = None) -> dict:
     """onnxruntime vs torch on n real inputs: the largest absolute difference of their outputs."""
     import torch
 
-    cfg, model, meta = loaded or load_torch(run_dir)
-    x, source = sample_inputs(cfg, meta, n)
+    cfg, workload, module, _, meta = loaded or load_torch(run_dir)
+    x, source = workload.export_inputs(cfg, meta, n)
     with torch.no_grad():
-        fn = model if cfg.workload == "defects" else model.all_scores
-        expected = fn(torch.from_numpy(x)).float().numpy()
+        expected = module(torch.from_numpy(x)).float().numpy()
     got = onnx_forward(path)(x)
     return {"max_abs_diff": float(np.abs(got - expected).max()), "inputs": len(x), "inputs_from": source}

@@ -6,9 +6,10 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from gpuwise.errors import GpuwiseError, closest
+from gpuwise.errors import GpuwiseError
+from gpuwise.workloads.base import WORKLOAD_OPTIONS, Workload
+from gpuwise.workloads.registry import get, names
 
-WORKLOADS = ("defects", "recommender", "product-lm")
 ACCELERATORS = ("auto", "cpu", "cuda", "mps")
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true")
 STRATEGIES = ("auto", "ddp", "fsdp")
@@ -24,7 +25,6 @@ BOUNDS = (
     ("devices", 1024, "processes per node"),
     ("num_nodes", 100_000, "nodes"),
 )
-MIN_IMAGE = 32  # the default CNN: a stride-2 stem and four 2x max-pools
 
 
 @dataclass
@@ -46,22 +46,24 @@ class TrainConfig:
     accelerator: str = "auto"
     precision: str = "auto"
     strategy: str = "auto"
-    # defects
-    image_size: int = 128
-    # recommender
+    # Options only some workloads read (each lists them in its `options`; workloads.base.WORKLOAD_OPTIONS)
+    image_size: int = 128  # images are resized to this square
     init_from: str | None = None  # last week's run: warm start, embeddings grown for new ids
-    # product-lm
     base: str | None = None  # a local model directory or hub id; default: a small Llama from a config
     method: str = "full"
     lora_rank: int = 16
     merge: bool = False  # lora/qlora: also save the base with the adapter merged in, as model/
     block_size: int = 128  # tokens per training sequence
 
-    def validate(self, check_paths: bool = True) -> None:
+    def workload_def(self, untrusted_dir: Path | None = None) -> Workload:
+        """The workload this config names; `untrusted_dir`: the run directory the config was read from."""
+        return get(self.workload, untrusted_dir)
+
+    def validate(self, check_paths: bool = True, run_dir: Path | None = None) -> None:
         """Every value in range, or one line naming the flag. `check_paths=False` for a finished run's
-        saved config, whose --data may since have moved (serving does not read it)."""
-        if self.workload not in WORKLOADS:
-            raise GpuwiseError(f"unknown workload '{self.workload}'{closest(self.workload, WORKLOADS)}")
+        saved config, whose --data may since have moved (serving does not read it); `run_dir`: where
+        that config was read from."""
+        workload = self.workload_def(run_dir)
         for name, allowed in (
             ("accelerator", ACCELERATORS),
             ("precision", PRECISIONS),
@@ -90,26 +92,32 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value > top:
                 raise GpuwiseError(f"--{name.replace('_', '-')} {value} is over the limit of {top:,} ({why})")
-        if self.image_size < MIN_IMAGE:
-            raise GpuwiseError(
-                f"--image-size {self.image_size} is below {MIN_IMAGE}: the defects CNN halves an image 5 times"
-            )
         if not 0 <= self.seed < 2**32:
             raise GpuwiseError(f"--seed must be between 0 and 2**32 - 1 (what numpy accepts), not {self.seed}")
         if self.devices < 1 or self.num_nodes < 1 or self.keep_checkpoints < 1:
             raise GpuwiseError("--devices, --num-nodes and --keep-checkpoints must be at least 1")
-        if self.method != "full" and self.workload != "product-lm":
-            raise GpuwiseError("--method lora/qlora applies to product-lm only")
+        self._check_options(workload)
         if self.merge and self.method == "full":
             raise GpuwiseError("--merge folds a LoRA/QLoRA adapter into its base: it needs --method lora or qlora")
         if self.strategy == "fsdp" and self.method == "qlora":
             raise GpuwiseError("--strategy fsdp cannot shard qlora's 4-bit base weights; use ddp, or --method lora")
-        if self.init_from and self.workload != "recommender":
-            raise GpuwiseError("--init-from (warm start from last week's run) applies to recommender only")
         if check_paths and self.data and not Path(self.data).exists():
             raise GpuwiseError(f"--data {self.data}: no such file or directory")
         if check_paths and self.data and not (Path(self.data).is_file() or Path(self.data).is_dir()):
             raise GpuwiseError(f"--data {self.data}: not a regular file or directory (a device or a pipe never ends)")
+
+        workload.validate(self)
+
+    def _check_options(self, workload: Workload) -> None:
+        """A workload option set away from its default for a workload that does not read it is a mistake."""
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in WORKLOAD_OPTIONS:
+            if name not in workload.options and getattr(self, name) != defaults[name]:
+                flag = "--" + name.replace("_", "-")
+                users = [n for n in names() if n != self.workload and name in get(n).options]
+                where = f"applies to {', '.join(users)} only" if users else "applies to no workload installed"
+                takes = ", ".join("--" + o.replace("_", "-") for o in workload.options) or "none"
+                raise GpuwiseError(f"{flag} {where}; {self.workload} takes these options: {takes}")
 
     def check_types(self, where: str) -> None:
         """Each field holds the type its annotation names (a hand-edited or planted config.yaml may not)."""
@@ -129,7 +137,7 @@ class TrainConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict, where: str = "config.yaml") -> TrainConfig:
+    def from_dict(cls, data: dict, where: str = "config.yaml", run_dir: Path | None = None) -> TrainConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -138,5 +146,5 @@ class TrainConfig:
             raise GpuwiseError(f"{where} names no workload")
         cfg = cls(**data)
         cfg.check_types(where)
-        cfg.validate(check_paths=False)
+        cfg.validate(check_paths=False, run_dir=run_dir)
         return cfg

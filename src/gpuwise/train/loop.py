@@ -11,6 +11,7 @@ masks would differ between 1 and N processes; resume restores the RNG, so it sta
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import random
 import signal
@@ -73,14 +74,16 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def step_samples(step: int, batch: int, n: int, seed: int, _cache: dict = {}) -> tuple[list[int], int]:  # noqa: B006
-    """The global batch of a step: a slice of the epoch's seeded permutation (drop-last)."""
+@functools.lru_cache(maxsize=1)  # every step of an epoch slices one order; no step needs an older one
+def _epoch_order(seed: int, epoch: int, n: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+
+
+def step_samples(step: int, batch: int, n: int, seed: int) -> tuple[list[int], int]:
+    """The global batch of a step: a slice of the epoch's seeded permutation (drop-last). The slice is a
+    copy, so no caller can change the cached order."""
     epoch, k = divmod(step, n // batch)
-    key = (seed, epoch, n)
-    if key not in _cache:
-        _cache.clear()
-        _cache[key] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
-    return _cache[key][k * batch : (k + 1) * batch], epoch
+    return _epoch_order(seed, epoch, n)[k * batch : (k + 1) * batch], epoch
 
 
 def lr_lambda(total: int):
@@ -319,51 +322,40 @@ def _train(cfg, fabric, accelerator, precision, strategy, rec: Recorder, resumin
             raw = twin
     files = work.save(raw, run_dir) if fabric.is_global_zero else []
     fabric.barrier()
-    steady = times[1:] or times  # the first step pays for warm-up
-    step_time = float(np.median(steady)) if steady else None
-    samples_per_s = cfg.batch_size / step_time if step_time else None
-    actual = {"peak_bytes": peak_bytes, "step_time_s": step_time, "method": mem.method}
-    summary = {
-        "workload": cfg.workload,
-        "run_dir": str(run_dir),
-        "steps": step,
-        "epochs": step / steps_per_epoch,
-        "final_loss": loss_value,
-        "eval": evaluation,
-        "baseline": work.baseline or ({"name": "before training", **before} if before else {}),
-        "throughput": {
-            "samples_per_s": samples_per_s,
-            "tokens_per_s": samples_per_s * work.tokens_per_sample
-            if samples_per_s and work.tokens_per_sample
-            else None,
-        },
-        "mfu": (flops_per_step / step_time / (peak * world)) if peak and step_time else None,
-        "peak_flops": {"per_device": peak, "origin": peak_origin},
-        "flops_per_step": flops_per_step,
-        "device": f"{accelerator} x {world}",
-        "precision": precision,
-        "strategy": strategy,
-        "global_batch": cfg.batch_size,
-        "micro_batch": micro,
-        "accumulation": math.ceil(share / micro),
-        "oom_events": oom_events,
-        "plan": plan,
-        "actual": actual,
-        "estimate_error": _errors(plan, actual),
-        "data": work.info,
-        "files": files,
-        "wall_s": elapsed_before + time.perf_counter() - t_run,
-    }
-    from gpuwise.train.report import projection
+    from gpuwise.train.summary import summarize
 
-    summary["projection"] = projection(summary)
-    if fabric.is_global_zero:
-        from gpuwise.runs.db import try_record
-
-        summary["record_id"] = try_record("train", device_key, cfg.workload, summary, run_dir=str(run_dir))
-    rec.summary(summary)
-    rec.close()
-    return summary if fabric.is_global_zero else None
+    return summarize(
+        cfg,
+        rec,
+        rank_zero=fabric.is_global_zero,
+        device_key=device_key,
+        run_dir=run_dir,
+        times=times,
+        steps=step,
+        steps_per_epoch=steps_per_epoch,
+        final_loss=loss_value,
+        evaluation=evaluation,
+        baseline=work.baseline,
+        before=before,
+        tokens_per_sample=work.tokens_per_sample,
+        info=work.info,
+        flops_per_step=flops_per_step,
+        peak=peak,
+        peak_origin=peak_origin,
+        accelerator=accelerator,
+        world=world,
+        precision=precision,
+        strategy=strategy,
+        micro=micro,
+        share=share,
+        oom_events=oom_events,
+        plan=plan,
+        peak_bytes=peak_bytes,
+        memory_method=mem.method,
+        files=files,
+        elapsed_before=elapsed_before,
+        started=t_run,
+    )
 
 
 def _restore(fabric, run_dir: Path, model, optimizer, scheduler):
@@ -411,14 +403,6 @@ def analytic_plan(work, cfg, micro: int, precision: str) -> dict:
     )
     mem = memory(work.model_spec, req, Layout())
     return {"peak_bytes": int(mem.total - mem.overhead), "method": "gpuwise plan's analytic model (no CUDA overhead)"}
-
-
-def _errors(plan: dict, actual: dict) -> dict:
-    out = {}
-    for key in ("peak_bytes", "step_time_s"):
-        if plan.get(key) and actual.get(key):
-            out[key] = (plan[key] - actual[key]) / actual[key]
-    return out
 
 
 def _scalars(metrics: dict) -> dict:

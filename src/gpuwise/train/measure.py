@@ -94,7 +94,7 @@ def step_efficiency(device: str, workload: str) -> tuple[float, str]:
 
 def timed_step(device: str, workload: str, samples: int, params: int) -> tuple[float, str] | None:
     """Seconds per step from what `gpuwise bench` timed on this device, a part per sample and a part
-    per trainable parameter: the time model for a step torch counts no FLOPs in (the recommender's
+    per trainable parameter: the time model for a step torch counts no FLOPs in (a ranking model's
     embedding lookups and dot products). None before bench has run here."""
     from gpuwise.runs.db import calibration
 
@@ -186,10 +186,10 @@ def measured_step(workload: str) -> tuple[float, float]:
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.flop_counter import FlopCounterMode
 
-    from gpuwise.bench.macro import WORKLOADS
+    from gpuwise.workloads.registry import get
 
     torch.manual_seed(0)
-    model, loss_fn, _, _ = WORKLOADS[workload](torch.device("cpu"))
+    model, loss_fn, _, _ = get(workload).bench_step(torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step():

@@ -8,7 +8,6 @@ no two processes ever write one run, and never writes into a directory that hold
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from gpuwise.errors import GpuwiseError, first_line
+from gpuwise.errors import GpuwiseError
 from gpuwise.files import read_text_file, to_json
 from gpuwise.train.config import TrainConfig
 
@@ -33,6 +32,7 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 LOCK = ".lock"
+SUMMARY = "summary.json"  # written last, atomically: its presence is what "finished" means
 MAX_CONFIG_BYTES = 1 << 20  # a config.yaml is a few hundred bytes: a larger one is not ours
 
 
@@ -112,11 +112,11 @@ class RunClaim:
         if not (run_dir / "config.yaml").is_file():
             raise GpuwiseError(f"--resume {run_dir}: not a gpuwise run directory (no config.yaml)")
         claim = cls(run_dir, created=False, resumed=True)
-        if (run_dir / "summary.json").exists():
+        if is_finished(run_dir):
             claim.release()
             raise GpuwiseError(
-                f"--resume {run_dir}: the run has finished (summary.json); nothing to resume. "
-                "Train on with a new run (recommender: --init-from)"
+                f"--resume {run_dir}: the run has finished ({SUMMARY}); nothing to resume. "
+                "Train on with a new run (--init-from, for a workload that warm-starts)"
             )
         return claim
 
@@ -173,13 +173,22 @@ def load_config(run_dir: Path) -> TrainConfig:
         raise GpuwiseError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise GpuwiseError(f"{path} does not hold a config mapping")
-    return TrainConfig.from_dict(data, where=str(path))
+    return TrainConfig.from_dict(data, where=str(path), run_dir=run_dir)
+
+
+def is_finished(run_dir: Path) -> bool:
+    """Whether the run finished training: the one test, for resume, predict, serve, export and report.
+
+    The loop writes summary.json last, after the trained model's files, through a temp name and a rename,
+    so it is there whole or not at all. `os.path.isfile` rather than `Path.is_file`: it answers False,
+    never raises, for a path the OS refuses (a name too long), on every Python this package supports."""
+    return os.path.isfile(run_dir / SUMMARY)
 
 
 def require_finished(run_dir: Path) -> None:
-    if not (run_dir / "summary.json").is_file():
+    if not is_finished(run_dir):
         raise GpuwiseError(
-            f"{run_dir} has not finished training (no summary.json): `gpuwise train --resume {run_dir}` completes it"
+            f"{run_dir} has not finished training (no {SUMMARY}): `gpuwise train --resume {run_dir}` completes it"
         )
 
 
@@ -188,19 +197,6 @@ def open_finished(run_dir: Path) -> TrainConfig:
     cfg = load_config(run_dir)
     require_finished(run_dir)
     return cfg
-
-
-@contextlib.contextmanager
-def loading_model(run_dir: Path, flag: str = ""):
-    """A run's files are untrusted input (truncated, hand-edited, planted): whatever they make safetensors,
-    json, transformers or torch raise while loading becomes one line."""
-    try:
-        yield
-    except GpuwiseError:
-        raise
-    except Exception as e:  # noqa: BLE001 - each loader raises its own types
-        where = f"{flag} {run_dir}" if flag else str(run_dir)
-        raise GpuwiseError(f"{where}: cannot load the trained model ({first_line(e)})") from None
 
 
 class Recorder:
@@ -254,7 +250,7 @@ class Recorder:
 
     def summary(self, data: dict) -> None:
         if self.enabled:
-            write_atomic(self.run_dir / "summary.json", to_json(data, indent=2) + "\n")
+            write_atomic(self.run_dir / SUMMARY, to_json(data, indent=2) + "\n")
 
     def close(self) -> None:
         if self.enabled and not self._metrics.closed:

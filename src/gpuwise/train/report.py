@@ -4,41 +4,25 @@ speed, plan against actual, and what the same run would take and cost on a few c
 from __future__ import annotations
 
 from rich import box
+from rich.console import Console
 from rich.table import Table
 
+from gpuwise.hardware.reference import CONV_GPUS, LAMBDA_RESNET50, LAMBDA_SOURCE, PROJECT_ON, RESNET50_TRAIN_FLOPS, GiB
 from gpuwise.plan.request import EFFICIENCY
-
-PROJECT_ON = ("t4", "l4", "a100-80gb", "h100-sxm")
-GiB = 2**30
+from gpuwise.results import GpuProjection, TrainSummary
 
 
-# Convolution nets reach a far smaller share of a GPU's peak than large transformers. Lambda's measured
-# ResNet-50 training rates (images/s, FP32 / AMP; shared/reference/published.md) times the FLOPs of one
-# ResNet-50 training image give what a GPU really sustains on a CNN.
-RESNET50_TRAIN_FLOPS = 24.30e9  # one 224x224 image, forward + backward: torch's FlopCounterMode (a test recounts)
-LAMBDA_RESNET50 = {
-    "a10": (349, 638),
-    "rtx-3090": (513, 905),
-    "rtx-4090": (721, 1301),
-    "a100-80gb": (1066, 1582),
-    "h100-pcie": (1197, 1866),
-    "h100-sxm": (1753, 2616),
-}
-LAMBDA_SOURCE = "Lambda deep-learning benchmark, ResNet-50 training, AMP images/s"
-CONV_GPUS = ("a10", "rtx-4090", "a100-80gb", "h100-sxm")
-
-
-def projection(summary: dict) -> list[dict]:
+def projection(summary: TrainSummary, convolutional: bool) -> list[GpuProjection]:
     """The run's counted FLOPs at the rate each GPU sustains, in the precision `gpuwise train` would
     pick there: for a CNN the rate Lambda measured on ResNet-50; for the rest the dense peak x the
     default efficiency. A projection, not a measurement; none when torch counts no FLOPs (embeddings)."""
     from gpuwise.hardware.catalog import load_catalog
 
-    flops = summary["flops_per_step"] * summary["steps"]
+    flops = (summary.flops_per_step or 0) * summary.steps
     if not flops:
         return []
     catalog = load_catalog()
-    conv = summary["workload"] == "defects"
+    conv = convolutional
     out = []
     for slug in CONV_GPUS if conv else PROJECT_ON:
         acc = catalog.get(slug)
@@ -64,35 +48,36 @@ def projection(summary: dict) -> list[dict]:
                 "usd_per_gpu_hour": prices[0].usd_per_gpu_hour,
                 "as_of": prices[0].as_of,
             }
-        out.append(row)
+        out.append(GpuProjection.build(row))
     return out
 
 
-def _fmt(x, spec):
+def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def render(console, s: dict) -> None:
-    ev, base = s["eval"], s["baseline"]
+def render(console: Console, summary: TrainSummary | dict) -> None:
+    s = TrainSummary.load(summary)
+    ev, base = s.eval, s.baseline
     console.print(
-        f"[bold]{s['workload']}[/]: {s['steps']} steps ({s['epochs']:.1f} epochs) on {s['device']}, "
-        f"{s['precision']}, global batch {s['global_batch']} = micro-batch {s['micro_batch']} x "
-        f"{s['accumulation']} accumulation · run dir {s['run_dir']}"
+        f"[bold]{s.workload}[/]: {s.steps} steps ({s.epochs:.1f} epochs) on {s.device}, "
+        f"{s.precision}, global batch {s.global_batch} = micro-batch {s.micro_batch} x "
+        f"{s.accumulation} accumulation · run dir {s.run_dir}"
     )
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     t.add_column("quality (held out)")
     t.add_column("this run", justify="right")
-    t.add_column(base.get("name", "baseline"), justify="right")
-    also = base.get("also", {})
+    t.add_column(base.name or "baseline", justify="right")
+    also = base.also
     for name in also:
         t.add_column(name, justify="right")
-    published = s["data"].get("published", {})
+    published = s.published
     if published:
         t.add_column("published", justify="right")
     for key, value in ev.items():
         skip = ("n", "threshold", "users", "eval_tokens")
         if isinstance(value, int | float) and not isinstance(value, bool) and key not in skip:
-            row = [key, _fmt(value, ".4g"), _fmt(base.get(key), ".4g")]
+            row = [key, _fmt(value, ".4g"), _fmt(base.metrics.get(key), ".4g")]
             row += [_fmt(other.get(key), ".4g") for other in also.values()]
             if published:
                 row.append(_fmt(published.get(key), ".4g"))
@@ -102,56 +87,54 @@ def render(console, s: dict) -> None:
         console.print(f"[dim]published: {published.get('source')}[/]")
     for text in ev.get("samples", []):
         console.print(f"[dim]sample:[/] {text}")
-    tp = s["throughput"]
-    speed = f"{tp['samples_per_s']:,.1f} samples/s" if tp["samples_per_s"] else "-"
-    if tp.get("tokens_per_s"):
-        speed += f", {tp['tokens_per_s']:,.0f} tokens/s"
-    if s["mfu"]:
-        mfu = f"{s['mfu']:.1%} of peak ({s['peak_flops']['origin']})"
-    elif not s["flops_per_step"]:
+    tp = s.throughput
+    speed = f"{tp.samples_per_s:,.1f} samples/s" if tp.samples_per_s else "-"
+    if tp.tokens_per_s:
+        speed += f", {tp.tokens_per_s:,.0f} tokens/s"
+    if s.mfu:
+        mfu = f"{s.mfu:.1%} of peak ({s.peak_flops.origin})"
+    elif not s.flops_per_step:
         mfu = "MFU n/a: torch's FLOP counter sees no matmuls here (embedding lookups and elementwise math only)"
     else:
-        mfu = f"MFU n/a: {s['peak_flops']['origin']}"
+        mfu = f"MFU n/a: {s.peak_flops.origin}"
     console.print(f"Speed: {speed}; {mfu}")
-    plan, actual = s["plan"], s["actual"]
+    plan, actual, err = s.plan, s.actual, s.estimate_error
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="plan vs actual", title_justify="left")
     for col in ("", "plan", "actual", "error"):
         t.add_column(col, justify="right" if col else "left")
-    err = s["estimate_error"]
-    pk, ak = plan.get("peak_bytes"), actual.get("peak_bytes")
+    pk, ak = plan.peak_bytes, actual.peak_bytes
     t.add_row(
         "peak memory",
         _fmt(pk and pk / GiB, ".2f") + " GiB",
         _fmt(ak and ak / GiB, ".2f") + " GiB",
-        _fmt(err.get("peak_bytes"), "+.0%"),
+        _fmt(err.peak_bytes, "+.0%"),
     )
     t.add_row(
         "step time",
-        _fmt(plan.get("step_time_s"), ".3f") + " s",
-        _fmt(actual.get("step_time_s"), ".3f") + " s",
-        _fmt(err.get("step_time_s"), "+.0%"),
+        _fmt(plan.step_time_s, ".3f") + " s",
+        _fmt(actual.step_time_s, ".3f") + " s",
+        _fmt(err.step_time_s, "+.0%"),
     )
     console.print(t)
-    console.print(f"[dim]plan: {plan.get('method')}; actual memory: {actual.get('method')}[/]")
-    if plan.get("efficiency_origin"):
-        console.print(f"[dim]plan efficiency {plan['efficiency']:.3g}: {plan['efficiency_origin']}[/]")
-    if s.get("projection"):
+    console.print(f"[dim]plan: {plan.method}; actual memory: {actual.method}[/]")
+    if plan.efficiency_origin:
+        console.print(f"[dim]plan efficiency {plan.efficiency:.3g}: {plan.efficiency_origin}[/]")
+    if s.projection:
         t = Table(
             box=box.SIMPLE_HEAD, pad_edge=False, title="the same run elsewhere (projection)", title_justify="left"
         )
         for col in ("GPU", "precision", "sustained", "time", "cost", "price"):
             t.add_column(col, justify="left" if col in ("GPU", "precision") else "right")
-        for p in s["projection"]:
-            price = f"{p['usd_per_gpu_hour']:.2f} $/h {p['provider']} ({p['as_of']})" if "usd" in p else "no price"
-            cost = f"${p['usd']:.2g}" if "usd" in p else "-"
-            t.add_row(
-                p["gpu"], p["precision"], f"{p['sustained_tflops']:.1f} TFLOPS", f"{p['seconds']:.1f} s", cost, price
-            )
+        for p in s.projection:
+            priced = p.usd is not None
+            price = f"{p.usd_per_gpu_hour:.2f} $/h {p.provider} ({p.as_of})" if priced else "no price"
+            cost = f"${p.usd:.2g}" if priced else "-"
+            t.add_row(p.gpu, p.precision, f"{p.sustained_tflops:.1f} TFLOPS", f"{p.seconds:.1f} s", cost, price)
         console.print(t)
-        basis = s["projection"][0]["basis"].split(":")[0]
+        basis = s.projection[0].basis.split(":")[0]
         console.print(
             f"[dim]projection: this run's counted FLOPs / the rate each GPU sustains ({basis}); "
             "start-up and data loading not included[/]"
         )
-    for e in s["oom_events"]:
-        console.print(f"[yellow]! out of memory at step {e['step']}: micro-batch {e['from']} -> {e['to']}[/]")
+    for e in s.oom_events:
+        console.print(f"[yellow]! out of memory at step {e.step}: micro-batch {e.from_} -> {e.to}[/]")

@@ -8,19 +8,27 @@ fine-tunes a local or hub image model through transformers' from_pretrained inst
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import torch
+from fastapi import File, UploadFile  # at module level: FastAPI resolves the route's annotations here
+from pydantic import BaseModel, Field
 from torch import nn
 
 from gpuwise.errors import GpuwiseError, first_line
-from gpuwise.workloads import Workload, metrics
+from gpuwise.workloads import metrics
+from gpuwise.workloads.base import BenchStep, OnnxSignature, Training, Workload, place
+from gpuwise.workloads.serving import ClientError, Limits, ServeContext, run_forward
 
 SPLIT_SEED = 2019  # fixed: every run, whatever its --seed, is scored on the same held-out cells
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff"}
 POSITIVE_NAMES = ("defective", "defect", "bad", "ng", "fail", "reject")
+MIN_IMAGE = 32  # the default CNN: a stride-2 stem and four 2x max-pools
 
 
 def _resize(images: np.ndarray, size: int) -> np.ndarray:
@@ -170,7 +178,7 @@ def predict_proba(model: nn.Module, images: np.ndarray, device, batch: int = 128
     return np.concatenate(out) if out else np.zeros(0)
 
 
-def build(cfg, run_dir: Path) -> Workload:
+def build(cfg, run_dir: Path) -> Training:
     if cfg.data:
         images, labels, info = load_folder(Path(cfg.data), cfg.image_size)
     else:
@@ -206,7 +214,7 @@ def build(cfg, run_dir: Path) -> Workload:
         "positive_share": float(labels.mean()),
         "published": {"accuracy": 0.8842, "source": "Deitsch et al., Solar Energy 2019 (arXiv 1807.02894)"},
     }
-    return Workload(
+    return Training(
         "defects",
         model,
         len(train_idx),
@@ -249,3 +257,158 @@ def predict(run_dir: Path, cfg, inputs: list[str], **_) -> list[dict]:
         }
         for p, q in zip(inputs, probs, strict=True)
     ]
+
+
+def sample_inputs(cfg, meta: dict, n: int = 8) -> tuple[np.ndarray, str]:
+    """Up to n real images for the exported graph, scaled as the model takes them, and where they came
+    from: the run's own --data folder or ELPV; random images only when its data is not readable here."""
+    size, images, source = meta["image_size"], None, None
+    try:
+        if cfg.data:
+            root = Path(cfg.data)
+            files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+            if files:  # evenly spaced over the sorted list, so both class folders are sampled
+                pick = [files[int(i)] for i in np.unique(np.linspace(0, len(files) - 1, n).astype(int))]
+                images, source = np.stack([read_image(f, size) for f in pick]), str(root)
+        else:
+            from elpv_dataset.utils import load_dataset
+
+            all_images = load_dataset()[0]
+            images = _resize(all_images[np.linspace(0, len(all_images) - 1, n).astype(int)], size)
+            source = "ELPV"
+    except (GpuwiseError, ImportError, OSError, ValueError):
+        images = None
+    if images is None:
+        images = np.random.default_rng(0).integers(0, 256, (n, size, size), dtype=np.uint8)
+        source = "random images (the run's data is not readable here)"
+    return to_tensor(images).numpy(), source
+
+
+# --- serving: POST /v1/predict, images in, a label and probability per image out ---------------------
+
+
+class Prediction(BaseModel):
+    file: str
+    probability: float = Field(description="Probability of the positive class")
+    label: str
+
+
+class PredictResponse(BaseModel):
+    predictions: list[Prediction]
+
+
+class Served:
+    """The trained model behind /v1/predict; the dynamic batcher calls it with the decoded images of
+    concurrent requests, one forward pass for all."""
+
+    workload, batched = "defects", True
+
+    def __init__(self, run_dir: Path, cfg, runtime: str, limits: Limits):
+        model, meta = load_trained(run_dir, cfg)
+        self.size, self.classes, self.threshold = meta["image_size"], meta["classes"], meta["threshold"]
+        self.limits = limits
+        self.model_name = meta.get("base") or type(model).__name__
+        self.forward, self.device = run_forward(run_dir, runtime, model, torch.float32)
+
+    def _open(self, data: bytes, name: str):
+        """The image's header only (no pixels decoded): format and size checked against the limits."""
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            im = Image.open(io.BytesIO(data))
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+            raise ClientError(422, f"{name}: not a readable PNG or JPEG image ({type(e).__name__})") from None
+        if im.format not in ("PNG", "JPEG"):
+            raise ClientError(415, f"{name}: {im.format} image; send PNG or JPEG")
+        if im.width * im.height > self.limits.max_pixels:
+            raise ClientError(
+                413, f"{name}: {im.width}x{im.height} pixels is over the limit of {self.limits.max_pixels:,}"
+            )
+        return im
+
+    def pixels(self, data: bytes, name: str) -> int:
+        """Pixels the image will decode to, read from its header: cheap enough for the event loop."""
+        with self._open(data, name) as im:
+            return im.width * im.height
+
+    def decode(self, data: bytes, name: str) -> np.ndarray:
+        """PNG/JPEG bytes -> the grey, resized array the model was trained on. Seconds for a large image:
+        the server calls it off the event loop."""
+        from PIL import Image
+
+        with self._open(data, name) as im:
+            try:
+                im.load()
+                return to_grey(im, self.size)
+            except (OSError, ValueError, Image.DecompressionBombError) as e:
+                raise ClientError(422, f"{name}: not a readable PNG or JPEG image ({type(e).__name__})") from None
+
+    def __call__(self, images: list[np.ndarray]) -> list[dict]:
+        logits = self.forward(to_tensor(np.stack(images)).numpy())
+        probs = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+        return [{"probability": float(p), "label": self.classes[int(p >= self.threshold)]} for p in probs]
+
+    def routes(self, ctx: ServeContext) -> None:
+        limits = ctx.limits
+
+        @ctx.app.post("/v1/predict", response_model=PredictResponse)
+        async def predict(file: Annotated[list[UploadFile], File(description="PNG or JPEG, repeatable")]):
+            if len(file) > limits.max_images:
+                raise ClientError(413, f"{len(file)} images; at most {limits.max_images} per request")
+            blobs = [(await f.read(), f.filename or f"file {n + 1}") for n, f in enumerate(file)]
+            pixels = sum(self.pixels(data, name) for data, name in blobs)  # headers only: cheap
+            if pixels > limits.max_request_pixels:
+                raise ClientError(413, f"{pixels:,} pixels in this request; at most {limits.max_request_pixels:,}")
+            loop = asyncio.get_running_loop()
+            decoding = loop.run_in_executor(ctx.decoder, lambda: [self.decode(data, name) for data, name in blobs])
+            try:
+                images = await asyncio.wait_for(decoding, limits.timeout_s)
+            except TimeoutError:
+                raise ClientError(
+                    504, f"images not decoded within the {limits.timeout_s:g} s request timeout"
+                ) from None
+            results = await ctx.answer(images)
+            return PredictResponse(
+                predictions=[Prediction(file=f.filename or "", **r) for f, r in zip(file, results, strict=True)]
+            )
+
+
+class Defects(Workload):
+    name = "defects"
+    summary = "camera quality control: ELPV solar-cell images, defective or not"
+    options = ("image_size", "base")
+    inputs = "image files"
+    onnx = OnnxSignature("images", "logits", ("labels.json", "model.safetensors"))
+    convolutional = True
+
+    def validate(self, cfg) -> None:
+        if cfg.image_size < MIN_IMAGE and not cfg.base:
+            raise GpuwiseError(f"--image-size {cfg.image_size} is below {MIN_IMAGE}: the CNN halves an image 5 times")
+
+    def build(self, cfg, run_dir: Path) -> Training:
+        return build(cfg, run_dir)
+
+    def bench_step(self, device, batch: int | None = None) -> BenchStep:
+        batch = batch or 32
+        model = place(DefectCNN(), device)
+        x, y = torch.randn(batch, 1, 128, 128, device=device), torch.rand(batch, device=device)
+        return BenchStep(
+            model, lambda: nn.functional.binary_cross_entropy_with_logits(model(x).float(), y), batch, None
+        )
+
+    def predict(self, run_dir: Path, cfg, inputs: list[str], **_) -> list[dict]:
+        return predict(run_dir, cfg, inputs)
+
+    def describe(self, r: dict) -> str:
+        return f"{r['input']}: [bold]{r['label']}[/] (p({r['positive_class']}) = {r['probability']:.3f})"
+
+    def serve(self, run_dir: Path, cfg, runtime: str, limits: Limits) -> Served:
+        return Served(run_dir, cfg, runtime, limits)
+
+    def export_model(self, run_dir: Path, cfg):
+        model, meta = load_trained(run_dir, cfg)
+        size = meta["image_size"]
+        return model, torch.zeros(2, 1, size, size), meta
+
+    def export_inputs(self, cfg, meta: dict, n: int) -> tuple[np.ndarray, str]:
+        return sample_inputs(cfg, meta, n)

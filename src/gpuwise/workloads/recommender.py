@@ -13,10 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pydantic import BaseModel, Field
 from torch import nn
 
-from gpuwise.errors import GpuwiseError
-from gpuwise.workloads import Workload, metrics
+from gpuwise.errors import GpuwiseError, loading_model
+from gpuwise.workloads import metrics
+from gpuwise.workloads.base import BenchStep, OnnxSignature, Training, Workload, place, whole_params
+from gpuwise.workloads.serving import ClientError, Limits, ServeContext, Text, run_forward
 
 K = 10
 TEST_SHARE = 0.10
@@ -107,7 +110,7 @@ def top_k(scores: torch.Tensor, seen: list[np.ndarray], k: int) -> list[list[int
     return scores.topk(k, dim=1).indices.tolist()
 
 
-def build(cfg, run_dir: Path) -> Workload:
+def build(cfg, run_dir: Path) -> Training:
     df, source = load_interactions(cfg.data)
     df = df.reset_index(drop=True)
     train_rows, test_rows = temporal_split(df)
@@ -120,8 +123,6 @@ def build(cfg, run_dir: Path) -> Workload:
     model = MatrixFactorization(len(users), len(items))
     grown = None
     if cfg.init_from:
-        from gpuwise.train.records import loading_model
-
         with loading_model(Path(cfg.init_from), "--init-from"):
             grown = warm_start(model, Path(cfg.init_from), users, items)
 
@@ -154,8 +155,6 @@ def build(cfg, run_dir: Path) -> Workload:
     @torch.no_grad()
     def evaluate(model, device):
         model.eval()
-        from gpuwise.train.engine import whole_params
-
         raw = model.module if hasattr(model, "module") else model
         with whole_params(raw):
             out = score_users(lambda us: raw.all_scores(torch.tensor(us, device=device)).float().cpu())
@@ -196,7 +195,7 @@ def build(cfg, run_dir: Path) -> Workload:
     }
     if grown:
         info["warm_start"] = grown
-    return Workload(
+    return Training(
         "recommender",
         model,
         len(train_rows),
@@ -297,3 +296,111 @@ def predict(run_dir: Path, cfg, inputs: list[str], k: int = 10, **_) -> list[dic
             }
         )
     return out
+
+
+# --- serving: POST /v1/recommend, a user in, the top k items out ----------------------------------------
+
+
+class RecommendRequest(BaseModel):
+    user: Text | int
+    k: int = Field(10, description="Items to return (at most the server's --max-k)")
+    exclude_seen: bool = Field(True, description="Leave out items the user interacted with in training")
+
+
+class Item(BaseModel):
+    item: str
+    title: str | None = None
+    score: float | None = Field(None, description="Model score; none for popular items")
+
+
+class RecommendResponse(BaseModel):
+    user: str
+    source: str = Field(description="'model', or 'popular' for a user the model has not seen")
+    items: list[Item]
+
+
+class Served:
+    """Scores for every item, one forward for the users of concurrent requests (the dynamic batcher);
+    users the model has not seen get the most popular items."""
+
+    workload, batched = "recommender", True
+
+    def __init__(self, run_dir: Path, cfg, runtime: str, limits: Limits):
+        model, meta = load_trained(run_dir)
+        self.items, self.titles, self.popular = meta["items"], meta["titles"], meta["popular"]
+        self.user_index = {u: n for n, u in enumerate(meta["users"])}
+        inter = np.load(run_dir / "train_interactions.npz")
+        order = np.argsort(inter["user"], kind="stable")
+        bounds = np.searchsorted(inter["user"][order], np.arange(len(meta["users"]) + 1))
+        self.seen = [np.unique(inter["item"][order][a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        self.limits = limits
+        self.model_name = f"matrix factorization, {len(self.user_index)} users x {len(self.items)} items"
+        self.forward, self.device = run_forward(run_dir, runtime, AllScores(model), torch.long)
+
+    def item(self, i: int, score: float | None) -> dict:
+        return {"item": self.items[i], "title": self.titles.get(self.items[i]), "score": score}
+
+    def popular_items(self, k: int) -> list[dict]:
+        return [self.item(i, None) for i in self.popular[:k]]
+
+    def __call__(self, asks: list[tuple[int, int, bool]]) -> list[list[dict]]:
+        """(user index, k, exclude_seen) for each ask: the top k items by score."""
+        scores = self.forward(np.array([u for u, _, _ in asks], dtype=np.int64))
+        out = []
+        for row, (u, k, exclude) in zip(scores, asks, strict=True):
+            hide = self.seen[u] if exclude else self.seen[u][:0]
+            [top] = top_k(torch.from_numpy(row[None]), [hide], min(k, len(row) - len(hide)))
+            out.append([self.item(i, float(row[i])) for i in top])
+        return out
+
+    def routes(self, ctx: ServeContext) -> None:
+        limits = ctx.limits
+
+        @ctx.app.post("/v1/recommend", response_model=RecommendResponse)
+        async def recommend(ask: RecommendRequest):
+            if not 1 <= ask.k <= limits.max_k:
+                raise ClientError(422, f"k: must be between 1 and {limits.max_k}")
+            user = str(ask.user)
+            if user not in self.user_index:
+                return RecommendResponse(user=user, source="popular", items=self.popular_items(ask.k))
+            [items] = await ctx.answer([(self.user_index[user], ask.k, ask.exclude_seen)])
+            return RecommendResponse(user=user, source="model", items=items)
+
+
+class Recommender(Workload):
+    name = "recommender"
+    summary = "top-k recommendations from rating history (MovieLens), retrained every week"
+    options = ("init_from",)
+    inputs = "user ids"
+    onnx = OnnxSignature("users", "scores", ("ids.json", "model.safetensors"))
+
+    def build(self, cfg, run_dir: Path) -> Training:
+        return build(cfg, run_dir)
+
+    def bench_step(self, device, batch: int | None = None) -> BenchStep:
+        batch = batch or 1024
+        model = place(MatrixFactorization(671, 9066), device)  # MovieLens' users and movies
+        g = torch.Generator().manual_seed(0)
+        u, i, j = (torch.randint(0, n, (batch,), generator=g).to(device) for n in (671, 9066, 9066))
+        return BenchStep(model, lambda: bpr_loss(model, u, i, j), batch, None)
+
+    def predict(self, run_dir: Path, cfg, inputs: list[str], k: int = 10, **_) -> list[dict]:
+        return predict(run_dir, cfg, inputs, k=k)
+
+    def describe(self, r: dict) -> str:
+        lines = [f"[bold]user {r['user']}[/] ({r['source']}):"]
+        for n, it in enumerate(r["items"], 1):
+            score = f"  score {it['score']:.3f}" if it["score"] is not None else ""
+            lines.append(f"  {n:>2}. {it['item']}" + (f"  {it['title']}" if it.get("title") else "") + score)
+        return "\n".join(lines)
+
+    def serve(self, run_dir: Path, cfg, runtime: str, limits: Limits) -> Served:
+        return Served(run_dir, cfg, runtime, limits)
+
+    def export_model(self, run_dir: Path, cfg):
+        model, meta = load_trained(run_dir)
+        return AllScores(model).eval(), torch.zeros(2, dtype=torch.int64), meta
+
+    def export_inputs(self, cfg, meta: dict, n: int) -> tuple[np.ndarray, str]:
+        users = np.unique(np.linspace(0, len(meta["users"]) - 1, n).astype(np.int64))
+        return users, "users of ids.json"
