@@ -129,7 +129,7 @@ def test_bench_round_trips_as_the_same_json(tmp_path):
     assert result.devices["cuda:0"].host_device.h2d_gbs == 50.0
     assert result.devices["cpu"].host_device is None and "host_device" not in result.dump()["devices"]["cpu"]
     assert result.files.json_path == "runs/bench/bench.json"
-    from gpuwise.cli_bench import render
+    from gpuwise.cli.bench import render
 
     con = Console(file=io.StringIO(), width=150)
     render(con, BENCH)

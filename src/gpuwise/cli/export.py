@@ -7,15 +7,16 @@ from typing import Annotated
 
 import typer
 
-from gpuwise.cli import JsonOpt, _emit, app, console
+from gpuwise.cli.options import JsonOpt, console, emit
 from gpuwise.errors import GpuwiseError
+
+EPILOG = "Example: gpuwise export runs/WORKLOAD-20261130-101500 --format onnx"
 
 
 def _size(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
-@app.command(epilog="Example: gpuwise export runs/WORKLOAD-20261130-101500 --format onnx")
 def export(
     run_dir: Annotated[Path, typer.Argument(help="A finished run of a workload with an ONNX graph.")],
     fmt: Annotated[str, typer.Option("--format", help="onnx (the only one): writes RUN_DIR/model.onnx.")] = "onnx",
@@ -32,7 +33,7 @@ def export(
     check = compare_with_torch(run_dir, path, loaded=loaded)
     result = {"path": str(path), "bytes": path.stat().st_size, **check}
     if as_json:
-        _emit(result)
+        emit(result)
         return
     console.print(
         f"wrote {path} ({_size(result['bytes'])}); onnxruntime vs torch on {check['inputs']} inputs "

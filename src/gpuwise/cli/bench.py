@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from gpuwise.cli import CatalogOpt, JsonOpt, _catalog, _emit, app, console
+from gpuwise.cli.options import CatalogOpt, JsonOpt, console, emit, load_catalog
 from gpuwise.errors import GpuwiseError
 
 if TYPE_CHECKING:
@@ -64,13 +64,12 @@ def render(con: Console, result: BenchResult | dict) -> None:
         con.print("[dim]projected, not measured (no GPU here): " + "; ".join(sorted(bases)) + "[/]")
 
 
-@app.command()
 def bench(
     device: Annotated[str, typer.Option(help="cpu, cuda:N, or all (every device here).")] = "all",
     quick: Annotated[bool, typer.Option("--quick", help="Smaller sizes: under a minute on 2 CPU cores.")] = False,
-    out: Annotated[Optional[Path], typer.Option(help="Where bench.json and bench.png go [runs/bench-TIME].")] = None,
+    out: Annotated[Path | None, typer.Option(help="Where bench.json and bench.png go [runs/bench-TIME].")] = None,
     workload: Annotated[
-        Optional[list[str]],
+        list[str] | None,
         typer.Option(help="Time this workload's training step (repeatable) [every workload installed]."),
     ] = None,
     catalog: CatalogOpt = None,
@@ -82,7 +81,7 @@ def bench(
     from gpuwise.bench.run import parse_devices, run_bench
     from gpuwise.results import BenchFiles
 
-    cat = _catalog(catalog)
+    cat = load_catalog(catalog)
     parse_devices(device)  # a wrong --device or --workload is refused before a directory is made for it
     if workload:
         from gpuwise.workloads.registry import get
@@ -125,7 +124,7 @@ def bench(
     except OSError as e:  # a full disk, or the directory removed while we measured
         raise GpuwiseError(f"cannot write {out / 'bench.json'}: {e.strerror}") from None
     if as_json:
-        _emit(result.dump())
+        emit(result.dump())
     else:
         render(console, result)
         console.print(f"wrote {result.files.json_path} and {result.files.png}")

@@ -6,11 +6,11 @@ import ipaddress
 import math
 import socket
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from gpuwise.cli import app, console
+from gpuwise.cli.options import console
 from gpuwise.errors import GpuwiseError
 
 
@@ -34,7 +34,6 @@ def _check_port_free(host: str, port: int) -> None:
             raise GpuwiseError(f"cannot listen on {host}:{port} ({e.strerror})") from None
 
 
-@app.command()
 def serve(
     run_dir: Annotated[Path, typer.Argument(help="A finished `gpuwise train` run.")],
     host: Annotated[str, typer.Option(help="Address to bind; anything but loopback needs an API key.")] = "127.0.0.1",
@@ -45,7 +44,7 @@ def serve(
     max_wait_ms: Annotated[float, typer.Option(min=0, max=10_000, help="How long a pass waits for more items.")] = 5.0,
     runtime: Annotated[str, typer.Option(help="torch, or onnx (after `gpuwise export`).")] = "torch",
     api_key: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             envvar="GPUWISE_API_KEY",
             help="Required on every request when set. The flag shows in the process list; GPUWISE_API_KEY does not.",

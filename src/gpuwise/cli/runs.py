@@ -8,13 +8,14 @@ import typer
 from rich import box
 from rich.table import Table
 
-from gpuwise.cli import JsonOpt, _emit, app, console
+from gpuwise.cli.options import JsonOpt, console, emit
 from gpuwise.errors import GpuwiseError
 
-runs_app = typer.Typer(
-    help="The record (SQLite) of every plan, bench and run: list, show, compare.", no_args_is_help=False
+app = typer.Typer(
+    help="The record (SQLite) of every plan, bench and run: list, show, compare.",
+    no_args_is_help=False,
+    rich_markup_mode=None,  # as the main app: "[...]" in help text is text
 )
-app.add_typer(runs_app, name="runs")
 
 
 def _headline(r: dict[str, Any]) -> str:
@@ -38,7 +39,7 @@ def _headline(r: dict[str, Any]) -> str:
     return f"{d.get('gpus')} x {d.get('gpu')}, fits {d.get('fits')}, traced"
 
 
-@runs_app.callback(invoke_without_command=True)
+@app.callback(invoke_without_command=True)
 def runs(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """List every recorded plan, bench and training run."""
     if ctx.invoked_subcommand:
@@ -47,7 +48,7 @@ def runs(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
     rows = db.rows()
     if as_json:
-        _emit([{k: v for k, v in r.items() if k != "data"} for r in rows])
+        emit([{k: v for k, v in r.items() if k != "data"} for r in rows])
         return
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"run record: {db.default_path()}", title_justify="left")
     for col in ("id", "kind", "when (UTC)", "device", "name", "result"):
@@ -57,22 +58,22 @@ def runs(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     console.print(t)
 
 
-@runs_app.command()
+@app.command()
 def show(record_id: Annotated[int, typer.Argument(help="A record id from `gpuwise runs`.")]) -> None:
     """Everything recorded for one plan, bench or run (its JSON)."""
     from gpuwise.runs import db
 
-    _emit(db.get(record_id))
+    emit(db.get(record_id))
 
 
-@runs_app.command()
+@app.command()
 def compare(as_json: JsonOpt = False) -> None:
     """The error of every estimate over all recorded training runs: (estimate - measured) / measured."""
     from gpuwise.runs import db
 
     rows = db.compare()
     if as_json:
-        _emit(rows)
+        emit(rows)
         return
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="plan vs actual over recorded runs", title_justify="left")
     for col in ("id", "workload", "device", "memory error", "step-time error", "step time calibrated by"):

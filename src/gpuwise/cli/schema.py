@@ -10,10 +10,11 @@ from typing import Annotated
 
 import typer
 
-from gpuwise.cli import app
-
 # Spelled out rather than read from gpuwise.results: the models are imported only when a command needs them.
 Kind = Enum("Kind", {k: k for k in ("plan", "train", "bench")}, type=str)
+
+
+EPILOG = "Example: gpuwise schema train > summary.schema.json"
 
 
 def schema_text(kind: str) -> str:
@@ -23,7 +24,6 @@ def schema_text(kind: str) -> str:
     return json.dumps(SCHEMAS[kind].model_json_schema(), indent=2, ensure_ascii=False) + "\n"
 
 
-@app.command(epilog="Example: gpuwise schema train > summary.schema.json")
 def schema(
     kind: Annotated[Kind, typer.Argument(help="plan (plan --json), train (summary.json) or bench (bench.json).")],
 ) -> None:

@@ -3,27 +3,26 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from gpuwise.cli import app, console
+from gpuwise.cli.options import console
 from gpuwise.errors import GpuwiseError
 
 
-@app.command()
 def report(
-    run_dir: Annotated[Optional[Path], typer.Argument(help="A finished `gpuwise train` run.")] = None,
+    run_dir: Annotated[Path | None, typer.Argument(help="A finished `gpuwise train` run.")] = None,
     plan: Annotated[
-        Optional[int],
+        int | None,
         typer.Option(
             "--plan",
             help="A plan record id (`gpuwise runs`): its catalog sweep as cost against time, the Pareto front marked.",
         ),
     ] = None,
-    bench: Annotated[Optional[int], typer.Option("--bench", help="A bench record id: its bars.")] = None,
+    bench: Annotated[int | None, typer.Option("--bench", help="A bench record id: its bars.")] = None,
     out: Annotated[
-        Optional[Path], typer.Option(help="The HTML file [RUN_DIR/report.html, or plan-ID.html / bench-ID.html here].")
+        Path | None, typer.Option(help="The HTML file [RUN_DIR/report.html, or plan-ID.html / bench-ID.html here].")
     ] = None,
 ):
     """Write an HTML report with its plots inlined: loss and metric curves, throughput, plan vs actual."""

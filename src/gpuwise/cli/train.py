@@ -3,36 +3,36 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
 
-from gpuwise.cli import JsonOpt, _emit, app, console
+from gpuwise.cli.options import JsonOpt, console, emit
 from gpuwise.errors import GpuwiseError
 from gpuwise.workloads.registry import described
 
+EPILOG = (
+    "Examples: gpuwise train WORKLOAD · gpuwise train WORKLOAD --max-steps 200 --batch-size 16 · "
+    "gpuwise train --resume runs/WORKLOAD-20261130-101500"
+)
 WORKLOAD_HELP = f"{described()}; or package.module:Class, your own (README: Add a workload)."
 
 
-@app.command(
-    epilog="Examples: gpuwise train WORKLOAD · gpuwise train WORKLOAD --max-steps 200 --batch-size 16 · "
-    "gpuwise train --resume runs/WORKLOAD-20261130-101500"
-)
 def train(
-    workload: Annotated[Optional[str], typer.Argument(help=WORKLOAD_HELP, show_default=False)] = None,
+    workload: Annotated[str | None, typer.Argument(help=WORKLOAD_HELP, show_default=False)] = None,
     data: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(
             help="Your own data, in the form the workload reads (an image folder, a CSV/Parquet table, "
             "JSONL/CSV text; see README). Default: the workload's PyPI data set."
         ),
     ] = None,
-    run_dir: Annotated[Optional[Path], typer.Option(help="Where the run is written [runs/WORKLOAD-TIME].")] = None,
-    epochs: Annotated[Optional[float], typer.Option(help="Passes over the training set [per workload].")] = None,
-    max_steps: Annotated[Optional[int], typer.Option(help="Optimizer steps; overrides --epochs.")] = None,
+    run_dir: Annotated[Path | None, typer.Option(help="Where the run is written [runs/WORKLOAD-TIME].")] = None,
+    epochs: Annotated[float | None, typer.Option(help="Passes over the training set [per workload].")] = None,
+    max_steps: Annotated[int | None, typer.Option(help="Optimizer steps; overrides --epochs.")] = None,
     batch_size: Annotated[
-        Optional[int],
+        int | None,
         typer.Option(help="Global batch: samples per optimizer step, all processes together [per workload]."),
     ] = None,
     micro_batch_size: Annotated[
@@ -42,15 +42,13 @@ def train(
             "gradient accumulation keeps the global batch."
         ),
     ] = "auto",
-    lr: Annotated[
-        Optional[float], typer.Option(help="Peak learning rate (warm-up, then cosine) [per workload].")
-    ] = None,
+    lr: Annotated[float | None, typer.Option(help="Peak learning rate (warm-up, then cosine) [per workload].")] = None,
     seed: Annotated[int, typer.Option(help="Seeds weights, data order, augmentation.")] = 0,
     checkpoint_every: Annotated[
-        Optional[int], typer.Option(help="Steps between checkpoints [a tenth of the run].")
+        int | None, typer.Option(help="Steps between checkpoints [a tenth of the run].")
     ] = None,
     keep_checkpoints: Annotated[int, typer.Option(help="Checkpoints kept.")] = 3,
-    eval_every: Annotated[Optional[int], typer.Option(help="Steps between evaluations [end only].")] = None,
+    eval_every: Annotated[int | None, typer.Option(help="Steps between evaluations [end only].")] = None,
     devices: Annotated[int, typer.Option(help="Processes (GPUs) per node; launch with torchrun for N > 1.")] = 1,
     num_nodes: Annotated[int, typer.Option(help="Nodes (torchrun or SLURM sets the rendezvous).")] = 1,
     accelerator: Annotated[str, typer.Option(help="auto (cuda > mps > cpu), cpu, cuda, mps.")] = "auto",
@@ -64,13 +62,13 @@ def train(
     strategy: Annotated[str, typer.Option(help="auto (DDP when several processes), ddp, fsdp.")] = "auto",
     image_size: Annotated[int, typer.Option(help="Image workloads: images are resized to this square.")] = 128,
     init_from: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(
             help="Ranking workloads: last week's run directory to start from; new users and items get new embeddings."
         ),
     ] = None,
     base: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(help="A local model directory or hub id to start from (from_pretrained)."),
     ] = None,
     method: Annotated[str, typer.Option(help="Language models: full, lora or qlora (4-bit NF4 base).")] = "full",
@@ -78,7 +76,7 @@ def train(
     merge: Annotated[bool, typer.Option("--merge", help="lora/qlora: also save the merged model.")] = False,
     block_size: Annotated[int, typer.Option(help="Language models: tokens per training sequence.")] = 128,
     resume: Annotated[
-        Optional[Path], typer.Option(help="Continue the run in this directory from its newest whole checkpoint.")
+        Path | None, typer.Option(help="Continue the run in this directory from its newest whole checkpoint.")
     ] = None,
     as_json: JsonOpt = False,
 ):
@@ -128,12 +126,11 @@ def train(
     if summary is None:  # not rank 0: the first process reports
         return
     if as_json:
-        _emit(summary)
+        emit(summary)
     else:
         render(console, summary)
 
 
-@app.command()
 def predict(
     run_dir: Annotated[Path, typer.Argument(help="A finished `gpuwise train` run.")],
     inputs: Annotated[
@@ -152,7 +149,7 @@ def predict(
     with loading_model(run_dir):
         results = workload.predict(run_dir, cfg, inputs, k=k, max_tokens=max_tokens)
     if as_json:
-        _emit(results)
+        emit(results)
         return
     for r in results:
         console.print(workload.describe(r))

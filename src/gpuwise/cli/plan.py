@@ -1,0 +1,220 @@
+"""`gpuwise plan`: memory, time and cost of a model x task on every accelerator; `--traced` on fake tensors."""
+
+from __future__ import annotations
+
+import sys
+from enum import StrEnum
+from typing import Annotated
+
+import typer
+
+from gpuwise.cli.options import CatalogOpt, JsonOpt, console, emit, load_catalog
+from gpuwise.errors import GpuwiseError
+from gpuwise.plan.presets import PRESETS
+
+EPILOG = "Presets: " + ", ".join(PRESETS) + "."
+
+# StrEnum: a member is its value, so the plan request takes them as plain strings.
+Task = StrEnum("Task", {t: t for t in ("inference", "finetune", "lora", "qlora", "pretrain")})
+Precision = StrEnum("Precision", {p: p for p in ("fp32", "bf16", "fp16", "fp8")})
+Optimizer = StrEnum("Optimizer", {o: o for o in ("adamw", "adamw-8bit", "sgd")})
+Checkpointing = StrEnum("Checkpointing", {c: c for c in ("none", "selective", "full")})
+LoraTargets = StrEnum("LoraTargets", {t: t for t in ("all-linear", "attn")})
+
+
+def plan(
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="A preset (listed below), a Hugging Face config.json (or its folder), "
+            "or dimensions: layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256."
+        ),
+    ] = None,
+    workload: Annotated[
+        str | None, typer.Option(help="Trace a gpuwise workload's model instead (the names: gpuwise train --help).")
+    ] = None,
+    module: Annotated[
+        str | None,
+        typer.Option(help="Trace your own model: package.module:factory, a callable returning (model, example batch)."),
+    ] = None,
+    traced: Annotated[
+        bool, typer.Option("--traced", help="Plan by running one training step on fake tensors (any PyTorch model).")
+    ] = False,
+    task: Annotated[
+        Task | None, typer.Option(help="What to plan for; default: inference, or finetune when tracing.")
+    ] = None,
+    batch: Annotated[int, typer.Option(help="Sequences per step (per micro-batch when training).")] = 1,
+    seq: Annotated[int, typer.Option(help="Tokens per sequence (the prompt, for inference).")] = 2048,
+    gen: Annotated[int | None, typer.Option(help="Inference: tokens generated per sequence [256].")] = None,
+    tokens: Annotated[float | None, typer.Option(help="Total tokens: trained on, or generated for inference.")] = None,
+    epochs: Annotated[float | None, typer.Option(help="Passes over --dataset-tokens [1].")] = None,
+    dataset_tokens: Annotated[
+        float | None, typer.Option(help="Tokens in the training set [fine-tune: 10 M; pre-train: 20 x params].")
+    ] = None,
+    precision: Annotated[
+        Precision | None,
+        typer.Option(
+            help="Weights/compute precision (training: mixed with fp32 master weights); default: bf16, "
+            "or when tracing without --gpu, what `gpuwise train` picks here.",
+        ),
+    ] = None,
+    optimizer: Annotated[Optimizer | None, typer.Option(help="Training optimizer [adamw].")] = None,
+    checkpointing: Annotated[Checkpointing | None, typer.Option(help="Activation recompute [none].")] = None,
+    flash_attention: Annotated[bool, typer.Option(help="A fused attention kernel (no s x s scores kept).")] = True,
+    lora_rank: Annotated[int | None, typer.Option(help="LoRA/QLoRA rank [16].")] = None,
+    lora_targets: Annotated[
+        LoraTargets | None, typer.Option(help="all-linear: q,k,v,o + MLP; attn: q,k,v,o [all-linear].")
+    ] = None,
+    gpu: Annotated[
+        str | None,
+        typer.Option(
+            help="One accelerator slug (see `gpuwise hardware`); default: sweep the catalog, "
+            "or when tracing, the GPU here (else this CPU)."
+        ),
+    ] = None,
+    gpus: Annotated[int | None, typer.Option(help="GPU count [the fewest that fit].")] = None,
+    tp: Annotated[int | None, typer.Option(help="Tensor-parallel degree.")] = None,
+    pp: Annotated[int | None, typer.Option(help="Pipeline-parallel stages.")] = None,
+    zero: Annotated[int | None, typer.Option(help="ZeRO stage over data parallel (3 = FSDP) [3 when DP > 1].")] = None,
+    efficiency: Annotated[float | None, typer.Option(help="Fraction of dense peak achieved [0.462, PaLM MFU].")] = None,
+    provider: Annotated[str | None, typer.Option(help="Only this cloud provider's prices.")] = None,
+    life_years: Annotated[float | None, typer.Option(help="On-prem: years to amortize the purchase [4].")] = None,
+    utilization: Annotated[
+        float | None, typer.Option(help="On-prem: share of the life the GPUs are busy [0.6].")
+    ] = None,
+    kwh_usd: Annotated[float | None, typer.Option(help="On-prem: electricity, USD per kWh [0.15].")] = None,
+    pue: Annotated[float | None, typer.Option(help="On-prem: data-centre PUE [1.4].")] = None,
+    catalog: CatalogOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Memory, time and cost of a model x task on every accelerator of the catalog (or one, with --gpu).
+
+    Example: gpuwise plan --model llama-3.1-8b --task qlora
+    """
+    from gpuwise.plan.model import resolve_model
+    from gpuwise.plan.planner import make_plan
+    from gpuwise.plan.request import PlanRequest, check_flags
+
+    tracing = bool(workload or module or traced)
+    req = PlanRequest(
+        # A traced plan runs a training step (a workload is trained), so its task goes without saying.
+        task=str(task) if task else ("finetune" if tracing else "inference"),
+        batch=batch,
+        seq=seq,
+        gen=gen,
+        tokens=tokens,
+        epochs=epochs,
+        dataset_tokens=dataset_tokens,
+        precision=str(precision) if precision else "bf16",
+        optimizer=optimizer and str(optimizer),
+        checkpointing=checkpointing and str(checkpointing),
+        flash_attention=flash_attention,
+        lora_rank=lora_rank,
+        lora_targets=lora_targets and str(lora_targets),
+        gpu=gpu,
+        gpus=gpus,
+        tp=tp,
+        pp=pp,
+        zero=zero,
+        efficiency=efficiency,
+        provider=provider,
+        life_years=life_years,
+        utilization=utilization,
+        kwh_usd=kwh_usd,
+        pue=pue,
+    )
+    from gpuwise.runs import db as rundb
+
+    check_flags(req)  # before the catalog and the model are read: the cheapest mistakes first
+    if sum(x is not None for x in (model, workload, module)) != 1:
+        raise GpuwiseError("give exactly one of --model, --workload or --module")
+    if tracing:
+        given = precision is not None
+        return _traced(model, workload, module, req, load_catalog(catalog), as_json, precision_given=given)
+    cat = load_catalog(catalog)
+    try:
+        cat.calibration = rundb.calibration_map()
+    except GpuwiseError as e:
+        # The record only refines the efficiency: a broken one must not cost the user the plan (nor a second
+        # warning when the plan is not recorded in it).
+        print(f"gpuwise: warning: planning without bench calibration: {e}", file=sys.stderr)
+        record = False
+    else:
+        record = True
+    result = make_plan(resolve_model(model), req, cat)
+    name = result["model"]["name"]
+    result["record_id"] = rundb.try_record("plan", gpu or "catalog sweep", name, result) if record else None
+    if as_json:
+        emit(result)
+    else:
+        from gpuwise.views import render_plan
+
+        render_plan(console, result, sweep=gpu is None)
+
+
+def _workload_step(name: str):
+    """The workload's bench step (model and the loss of one synthetic batch), built under the tracer's fake tensors."""
+    import torch
+
+    from gpuwise.workloads.registry import get
+
+    workload = get(name)  # an unknown name is refused before any tracing starts
+
+    def build():
+        model, loss_fn, _, _ = workload.bench_step(torch.device("cpu"))
+        return model, loss_fn
+
+    return build
+
+
+def _traced(
+    model: str | None,
+    workload: str | None,
+    module: str | None,
+    req,
+    cat,
+    as_json: bool,
+    precision_given: bool = True,
+) -> None:
+    import math
+    from dataclasses import replace
+
+    from gpuwise.plan import traced
+    from gpuwise.runs import db as rundb
+
+    if req.task not in ("pretrain", "finetune"):
+        raise GpuwiseError("--traced plans a full training step: use --task finetune or pretrain")
+    if req.tp or req.pp or req.zero not in (None, 3):
+        raise GpuwiseError("--traced plans one GPU or FSDP over --gpus N (ZeRO-3); plan TP/PP layouts without --traced")
+    if req.checkpointing not in (None, "none") or req.optimizer not in (None, "adamw"):
+        raise GpuwiseError("--traced runs a plain AdamW step without recompute: drop --checkpointing/--optimizer")
+    acc = cat.get(req.gpu) if req.gpu else None
+    if workload:
+        name, build = workload, _workload_step(workload)
+    elif module:
+        name, build = module, traced.module_factory(module)
+    else:
+        from gpuwise.plan.model import resolve_model
+
+        spec = resolve_model(model)
+        name, build = spec.name, traced.spec_factory(spec, req.batch, req.seq)
+    if acc is None:
+        # No --gpu: plan what `gpuwise train` would run here, in the precision it would pick there, which a
+        # T4 (no bf16) or a CPU needs. Asked only now, so a misspelled workload is refused without CUDA.
+        from gpuwise.hardware.devices import here
+
+        acc, train_precision = here(cat)
+        if not precision_given:
+            req = replace(req, precision=train_precision)
+        label = acc.name if acc.kind == "cpu" else f"{acc.name} ({acc.slug})"
+        print(f"gpuwise: no --gpu: planning for the device here, {label}, in {req.precision}", file=sys.stderr)
+    result = traced.traced_plan(name, build, acc, req.precision, req.efficiency, shards=req.gpus or 1)
+    if not math.isfinite(acc.mem_bw_gbs):
+        result["method"] += "; this CPU's memory bandwidth is unknown, so bytes moved cost no time (a lower bound)"
+    result["record_id"] = rundb.try_record("plan", acc.slug, name, result)
+    if as_json:
+        emit(result)
+        return
+    from gpuwise.views import render_traced
+
+    render_traced(console, result)
