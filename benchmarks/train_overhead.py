@@ -22,7 +22,8 @@ import torch
 
 def raw_loop(work, steps: int, batch: int, lr: float) -> float:
     """The textbook loop on the same workload: what our trainer must not be slower than."""
-    from gpuwise.train.loop import lr_lambda, step_samples
+    from gpuwise.train.loop import step_samples
+    from gpuwise.train.setup import lr_lambda
 
     model = work.model
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=work.defaults.get("weight_decay", 0.01))

@@ -111,10 +111,11 @@ def render_accelerator(console: Console, catalog: Catalog, slug: str) -> None:
     for p in catalog.prices(a.slug):
         t.add_row(f"cloud: {p.provider}", f"${p.usd_per_gpu_hour:.2f}/GPU-h, {p.kind} — {p.source} ({dated(p.as_of)})")
     chosen = catalog.purchase_price(a.slug)
-    for p in (p for p in catalog.purchase if p.slug == a.slug):
-        mark = " [used for on-prem]" if p is chosen else ""
+    for buy in (b for b in catalog.purchase if b.slug == a.slug):
+        mark = " [used for on-prem]" if buy is chosen else ""
         t.add_row(
-            "purchase", f"{usd(p.usd)} for {p.item} ({usd(p.usd_per_gpu)}/GPU) — {p.source} ({dated(p.as_of)}){mark}"
+            "purchase",
+            f"{usd(buy.usd)} for {buy.item} ({usd(buy.usd_per_gpu)}/GPU) — {buy.source} ({dated(buy.as_of)}){mark}",
         )
     console.print(t)
 

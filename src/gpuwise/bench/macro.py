@@ -34,7 +34,7 @@ def throughput(name: str, device: torch.device, steps: int, min_time: float = 0.
     counter = FlopCounterMode(display=False)
     with counter:
         step()
-    times = []
+    times: list[float] = []
     while len(times) < steps or sum(times) < min_time:
         t = time.perf_counter()
         step()

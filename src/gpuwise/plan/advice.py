@@ -18,7 +18,7 @@ STALE_BEFORE = "2025-01"  # prices older than this (or undated) are flagged
 
 
 def option_warnings(plan: Plan) -> list[str]:
-    out = []
+    out: list[str] = []
     acc, layout, req, mem = plan.acc, plan.layout, plan.req, plan.mem
     if plan.compute is None:
         return out

@@ -108,7 +108,7 @@ def plan_one(model: ModelSpec, req: PlanRequest, acc: Accelerator, layout: Layou
             "KV cache": mem.kv_cache,
             "gradients": mem.gradients,
         }
-        big = max(parts, key=parts.get)
+        big = max(parts, key=parts.__getitem__)
         fits, why = (
             False,
             (f"needs {mem.total / GiB:.1f} GiB per GPU, has {cap / GiB:.0f} ({big} {parts[big] / GiB:.1f} GiB)"),
@@ -197,7 +197,8 @@ def build_plan(model: ModelSpec, req: PlanRequest, catalog: Catalog) -> PlanResu
     options = sorted((plan_accelerator(model, req, a, catalog) for a in accs), key=_sort_key)
     best = options[0]
     fitting = [o for o in options if o.fits and o.compute and not _slow_link(o)]
-    fastest = min(fitting, key=lambda o: o.compute.wall_hours) if fitting else None
+    # `fitting` holds only plans with a compute estimate; the else is for the type checker.
+    fastest = min(fitting, key=lambda o: o.compute.wall_hours if o.compute else float("inf")) if fitting else None
     return PlanResult.build(
         best.as_dict()
         | {

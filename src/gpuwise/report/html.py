@@ -168,7 +168,7 @@ def _run_page(s: TrainSummary, rows: list[dict[str, Any]]) -> str:
         loss = plots.loss_curve(
             steps,
             [r["loss"] for r in train],
-            [r.get("lr") for r in train if "lr" in r],
+            [r["lr"] for r in train if "lr" in r],
             f"{s.workload}: loss and learning rate",
         )
         speed = plots.series(

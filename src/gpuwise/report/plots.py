@@ -55,6 +55,7 @@ def plan_vs_actual(rows: list[tuple[str, float | None, float | None, str]]) -> b
     fig, axes = plt.subplots(1, max(1, len(rows)), figsize=(4 * max(1, len(rows)), 3.5))
     axes = axes if len(rows) > 1 else [axes]
     for ax, (name, plan, actual, unit) in zip(axes, rows, strict=False):
+        assert plan is not None and actual is not None  # the filter above; lost on the tuple's type
         ax.bar(["plan", "actual"], [plan, actual], color=["tab:gray", "tab:blue"])
         ax.set_ylabel(unit)
         ax.set_title(f"{name}: error {(plan - actual) / actual:+.0%}")

@@ -114,6 +114,7 @@ def record(
             "INSERT INTO records (kind, created, device, name, run_dir, data) VALUES (?, ?, ?, ?, ?, ?)",
             (kind, now(), device, name, run_dir, to_json(data)),
         )
+        assert cur.lastrowid is not None  # set by every INSERT
         return int(cur.lastrowid)
 
 

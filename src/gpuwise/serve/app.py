@@ -9,7 +9,7 @@ import hmac
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -31,10 +31,10 @@ class Settings:
     max_batch: int = 32
     max_wait_ms: float = 5.0
     api_key: str | None = None
-    limits: Limits = None
+    limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self):
-        self.limits = self.limits or Limits()
+        self.limits = self.limits or Limits()  # an explicit None still means the defaults
 
 
 class Info(BaseModel):
@@ -79,6 +79,7 @@ class Guard:
                 given = value
             elif name == b"authorization" and value[:7].lower() == b"bearer ":
                 given = value[7:]  # the scheme is case-insensitive (RFC 9110); a bare key is not a bearer token
+        assert self.key is not None  # __call__ asks only when a key is set
         return hmac.compare_digest(given, self.key)  # constant time: no timing oracle on the key
 
     async def __call__(self, scope, receive, send):
@@ -274,5 +275,6 @@ def server_config(app, host: str, port: int, limits: Limits, grace: float = 30.0
         http=_protocol_with_header_deadline(limits.read_timeout_s),
         limit_concurrency=limits.max_connections,
         timeout_keep_alive=5,
-        timeout_graceful_shutdown=grace,
+        # uvicorn's annotation says int, but it only hands the value to asyncio.wait_for, which takes a float.
+        timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
     )

@@ -68,6 +68,7 @@ class DynamicBatcher:
 
     async def submit(self, items: list) -> list:
         """The model's answers for `items`, in order; they may share a pass with other requests'."""
+        assert self.queue is not None, "start() first"
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in items]
         for item, future in zip(items, futures, strict=True):
@@ -75,6 +76,7 @@ class DynamicBatcher:
         return await asyncio.gather(*futures)
 
     async def _gather(self) -> list:
+        assert self.queue is not None  # only _loop calls this, and start() creates the queue before it
         batch = [await self.queue.get()]
         loop = asyncio.get_running_loop()
         # Light load (the last pass had one item, nothing else waits): waiting would only add latency.

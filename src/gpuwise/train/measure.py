@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -116,7 +117,7 @@ def step_time_plan(
     efficiency; where torch counts no FLOPs, bench's seconds per sample and per parameter; plus the
     time `prepare()` takes to build one batch, timed here rather than estimated."""
     efficiency, origin = step_efficiency(device, workload)
-    plan = {
+    plan: dict[str, Any] = {
         "step_time_s": planned_step_time(flops, peak, processes, efficiency) if flops else None,
         "efficiency": efficiency,
         "efficiency_origin": origin,

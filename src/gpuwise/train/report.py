@@ -30,7 +30,9 @@ def projection(summary: TrainSummary, convolutional: bool) -> list[GpuProjection
             rate = LAMBDA_RESNET50[slug][1] * RESNET50_TRAIN_FLOPS
             basis = f"{LAMBDA_SOURCE}: {LAMBDA_RESNET50[slug][1]} img/s x {RESNET50_TRAIN_FLOPS / 1e9:.1f} GFLOP"
         else:
-            rate = (acc.bf16_tflops or acc.fp16_tflops) * 1e12 * EFFICIENCY.value
+            peak = acc.bf16_tflops or acc.fp16_tflops
+            assert peak is not None, f"{slug}: PROJECT_ON lists only GPUs with a dense fp16/bf16 peak"
+            rate = peak * 1e12 * EFFICIENCY.value
             basis = f"dense peak x {EFFICIENCY.value} ({EFFICIENCY.origin})"
         seconds = flops / rate
         row = {

@@ -4,54 +4,34 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gpuwise.results import TrainSummary
-from gpuwise.train.config import TrainConfig
-from gpuwise.train.records import Recorder
+from gpuwise.train.setup import Run
 
 
 def summarize(
-    cfg: TrainConfig,
-    rec: Recorder,
+    run: Run,
     *,
-    rank_zero: bool,
-    device_key: str,
-    run_dir: Path,
     times: list[float],
-    steps: int,
-    steps_per_epoch: int,
     final_loss: float,
     evaluation: dict[str, Any],
-    baseline: dict[str, Any],
     before: dict[str, Any] | None,
-    tokens_per_sample: int | None,
-    info: dict[str, Any],
-    flops_per_step: float,
-    peak: float | None,
-    peak_origin: str,
-    accelerator: str,
-    world: int,
-    precision: str,
-    strategy: str,
-    micro: int,
-    share: int,
-    oom_events: list[dict[str, int]],
-    plan: dict[str, Any],
     peak_bytes: int | None,
     memory_method: str | None,
     files: list[str],
-    elapsed_before: float,
     started: float,
 ) -> dict[str, Any] | None:
     """Summarize the run, record it (rank 0) and write summary.json; the summary as JSON on rank 0, else None.
 
-    ``times``: seconds of each step run by this process; ``share``: samples per step of one process;
-    ``elapsed_before``: seconds trained before a resume; ``started``: time.perf_counter() when this part began.
+    ``times``: seconds of each step run by this process; ``started``: time.perf_counter() when this part
+    began (the run's `elapsed_before` covers the parts before a resume).
     """
+    cfg, rec, work, run_dir, world, peak = run.cfg, run.rec, run.work, run.run_dir, run.world, run.peak
+    steps, micro, plan, flops_per_step = run.step, run.micro or 1, run.plan, run.flops_per_step
+    rank_zero, tokens = run.fabric.is_global_zero, work.tokens_per_sample
     steady = times[1:] or times  # the first step pays for warm-up
     step_time = float(np.median(steady)) if steady else None
     samples_per_s = cfg.batch_size / step_time if step_time else None
@@ -61,30 +41,30 @@ def summarize(
             "workload": cfg.workload,
             "run_dir": str(run_dir),
             "steps": steps,
-            "epochs": steps / steps_per_epoch,
+            "epochs": steps / run.steps_per_epoch,
             "final_loss": final_loss,
             "eval": evaluation,
-            "baseline": baseline or ({"name": "before training", **before} if before else {}),
+            "baseline": work.baseline or ({"name": "before training", **before} if before else {}),
             "throughput": {
                 "samples_per_s": samples_per_s,
-                "tokens_per_s": samples_per_s * tokens_per_sample if samples_per_s and tokens_per_sample else None,
+                "tokens_per_s": samples_per_s * tokens if samples_per_s and tokens else None,
             },
             "mfu": (flops_per_step / step_time / (peak * world)) if peak and step_time else None,
-            "peak_flops": {"per_device": peak, "origin": peak_origin},
+            "peak_flops": {"per_device": peak, "origin": run.peak_origin},
             "flops_per_step": flops_per_step,
-            "device": f"{accelerator} x {world}",
-            "precision": precision,
-            "strategy": strategy,
+            "device": f"{run.accelerator} x {world}",
+            "precision": run.precision,
+            "strategy": run.strategy,
             "global_batch": cfg.batch_size,
             "micro_batch": micro,
-            "accumulation": math.ceil(share / micro),
-            "oom_events": oom_events,
+            "accumulation": math.ceil(run.share / micro),
+            "oom_events": run.oom_events,
             "plan": plan,
             "actual": actual,
             "estimate_error": _errors(plan, actual),
-            "data": info,
+            "data": work.info,
             "files": files,
-            "wall_s": elapsed_before + time.perf_counter() - started,
+            "wall_s": run.elapsed_before + time.perf_counter() - started,
         }
     )
 
@@ -94,7 +74,7 @@ def summarize(
     if rank_zero:
         from gpuwise.runs.db import try_record
 
-        summary.record_id = try_record("train", device_key, cfg.workload, summary.dump(), run_dir=str(run_dir))
+        summary.record_id = try_record("train", run.device_key, cfg.workload, summary.dump(), run_dir=str(run_dir))
     rec.summary(summary.dump())
     rec.close()
     return summary.dump() if rank_zero else None

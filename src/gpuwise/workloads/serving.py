@@ -135,7 +135,8 @@ class Served(Protocol):
     device: str
     batched: bool
 
-    def __call__(self, items: list) -> list: ...
+    # Positional-only: the batcher passes the items positionally, and each workload names them its own way.
+    def __call__(self, items: list, /) -> list: ...
 
     def routes(self, ctx: ServeContext) -> None: ...
 
