@@ -216,6 +216,7 @@ class Recorder:
         redone, and a line cut by a kill), so metrics.jsonl keeps one line per step, and TensorBoard too."""
         if not self.enabled:
             return
+        assert self._metrics is not None and self._tb is not None  # both opened in __init__ when enabled
         self._metrics.close()
         path = self.run_dir / "metrics.jsonl"
         kept = []
@@ -242,6 +243,7 @@ class Recorder:
         every 10th (each scalar costs ~60 us of protobuf, which a small model's step would feel)."""
         if not self.enabled:
             return
+        assert self._metrics is not None and self._tb is not None  # both opened in __init__ when enabled
         self._metrics.write(to_json({"step": step, **values}) + "\n")
         self._metrics.flush()
         for key, value in values.items():
@@ -253,6 +255,9 @@ class Recorder:
             write_atomic(self.run_dir / SUMMARY, to_json(data, indent=2) + "\n")
 
     def close(self) -> None:
-        if self.enabled and not self._metrics.closed:
+        if not self.enabled:
+            return
+        assert self._metrics is not None and self._tb is not None  # both opened in __init__ when enabled
+        if not self._metrics.closed:
             self._metrics.close()
             self._tb.close()

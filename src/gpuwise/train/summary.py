@@ -32,6 +32,7 @@ def summarize(
     cfg, rec, work, run_dir, world, peak = run.cfg, run.rec, run.work, run.run_dir, run.world, run.peak
     steps, micro, plan, flops_per_step = run.step, run.micro or 1, run.plan, run.flops_per_step
     rank_zero, tokens = run.fabric.is_global_zero, work.tokens_per_sample
+    assert cfg.batch_size is not None  # build() fills it from the workload's defaults
     steady = times[1:] or times  # the first step pays for warm-up
     step_time = float(np.median(steady)) if steady else None
     samples_per_s = cfg.batch_size / step_time if step_time else None

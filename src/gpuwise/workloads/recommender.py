@@ -276,6 +276,7 @@ def predict(run_dir: Path, cfg, inputs: list[str], k: int = 10, **_) -> list[dic
     u_index = {u: n for n, u in enumerate(meta["users"])}
     out = []
     for user in inputs:
+        picks: list[tuple[int, float | None]]
         if user not in u_index:
             picks = [(i, None) for i in meta["popular"][:k]]
             source = "popular (unknown user)"
