@@ -22,6 +22,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
@@ -34,4 +35,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/cpu_allocator.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -254,7 +254,7 @@ def test_damaged_record_row(capsys, tmp_path):
     with sqlite3.connect(os.environ["GPUWISE_DB"]) as con:  # JSON, but not a plan's
         con.execute("UPDATE records SET data = '{\"options\": [{}]}' WHERE id = ?", (record_id,))
     con.close()
-    assert "is damaged (no 'fits')" in one_line_error(capsys, ["report", "--plan", record_id])
+    assert "is damaged (no 'model')" in one_line_error(capsys, ["report", "--plan", record_id])
 
 
 def test_unusable_calibration_is_neither_stored_nor_planned_with():
@@ -299,7 +299,7 @@ def test_report_out_that_cannot_be_written(capsys, tmp_path):
         ('{"eval": {', "", "summary.json: not a JSON object"),
         ("[1, 2]", "", "summary.json: not a JSON object"),
         (b"\xff\xfe", "", "not a UTF-8 text file"),
-        ('{"eval": {}}', "", "not what gpuwise train writes (no 'device')"),
+        ('{"eval": {}}', "", "not what gpuwise train writes (no 'workload')"),
         ('{"eval": {}}', '{"step": 1, "loss": 2}\n{"step": 2, "lo', "metrics.jsonl:2: not a JSON object"),
         ('{"eval": {}}', "[1]\n", "metrics.jsonl:1: not a JSON object"),
     ],

@@ -7,6 +7,7 @@ with measurements.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -123,7 +124,7 @@ def project_gpu(slug: str, catalog: Catalog, cpu: dict) -> dict:
 
     acc = catalog.get(slug)
     share, share_origin = MATMUL_SHARE
-    out = {
+    out: dict[str, Any] = {
         "peak": {"name": acc.name, "slug": slug, "origin": f"catalog {slug}: {acc.source}"},
         "projected": True,
         "matmul": {},
@@ -165,7 +166,12 @@ def run_bench(
 ) -> BenchResult:
     devices = parse_devices(device_spec)
     size = "quick" if quick else "full"
-    result = {"size": size, "torch": torch.__version__, "threads": torch.get_num_threads(), "devices": {}}
+    result: dict[str, Any] = {
+        "size": size,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "devices": {},
+    }
     for dev in devices:
         result["devices"][str(dev)] = measure_device(dev, catalog, size, progress, workloads)
     if "cpu" in result["devices"] and len(result["devices"]) > 1:

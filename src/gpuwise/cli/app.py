@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -19,7 +19,7 @@ from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.hardware.cpu import retain_freed_memory
 
 # typer vendors click since 0.20; reach its UsageError through a public class, whichever click it is.
-UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+UsageError: Any = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 
 app = typer.Typer(
     help="Know what an AI workload needs (memory, time, cost on every accelerator), then run it.",

@@ -15,11 +15,11 @@ from gpuwise.plan.presets import PRESETS
 EPILOG = "Presets: " + ", ".join(PRESETS) + "."
 
 # StrEnum: a member is its value, so the plan request takes them as plain strings.
-Task = StrEnum("Task", {t: t for t in ("inference", "finetune", "lora", "qlora", "pretrain")})
-Precision = StrEnum("Precision", {p: p for p in ("fp32", "bf16", "fp16", "fp8")})
-Optimizer = StrEnum("Optimizer", {o: o for o in ("adamw", "adamw-8bit", "sgd")})
-Checkpointing = StrEnum("Checkpointing", {c: c for c in ("none", "selective", "full")})
-LoraTargets = StrEnum("LoraTargets", {t: t for t in ("all-linear", "attn")})
+Task = StrEnum("Task", ["inference", "finetune", "lora", "qlora", "pretrain"])
+Precision = StrEnum("Precision", ["fp32", "bf16", "fp16", "fp8"])
+Optimizer = StrEnum("Optimizer", ["adamw", "adamw-8bit", "sgd"])
+Checkpointing = StrEnum("Checkpointing", ["none", "selective", "full"])
+LoraTargets = StrEnum("LoraTargets", ["all-linear", "attn"])
 
 
 def plan(
@@ -141,6 +141,7 @@ def plan(
         record = False
     else:
         record = True
+    assert model is not None  # exactly one of --model/--workload/--module was checked above
     result = make_plan(resolve_model(model), req, cat)
     name = result["model"]["name"]
     result["record_id"] = rundb.try_record("plan", gpu or "catalog sweep", name, result) if record else None
@@ -196,6 +197,7 @@ def _traced(
     else:
         from gpuwise.plan.model import resolve_model
 
+        assert model is not None  # the caller checked that one of the three is given
         spec = resolve_model(model)
         name, build = spec.name, traced.spec_factory(spec, req.batch, req.seq)
     if acc is None:

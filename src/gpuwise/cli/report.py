@@ -38,6 +38,7 @@ def report(
         page, target = html.run_report(run_dir), out or run_dir / "report.html"
     else:
         record_id = plan if plan is not None else bench
+        assert record_id is not None  # one of --plan/--bench, checked above
         record = db.get(record_id)
         kind = "plan" if plan is not None else "bench"
         if record["kind"] != kind:

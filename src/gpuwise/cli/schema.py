@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import sys
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated
 
 import typer
 
 # Spelled out rather than read from gpuwise.results: the models are imported only when a command needs them.
-Kind = Enum("Kind", {k: k for k in ("plan", "train", "bench")}, type=str)
+Kind = StrEnum("Kind", ["plan", "train", "bench"])
 
 
 EPILOG = "Example: gpuwise schema train > summary.schema.json"

@@ -152,4 +152,4 @@ def predict(
         emit(results)
         return
     for r in results:
-        console.print(workload.describe(r))
+        console.print(workload.describe(r), markup=False, highlight=False)

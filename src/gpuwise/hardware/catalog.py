@@ -12,6 +12,7 @@ import csv
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -265,7 +266,7 @@ def _builtin_text(name: str) -> str:
     return resources.files("gpuwise.hardware").joinpath("data", name).read_text(encoding="utf-8")
 
 
-def load_catalog(extra: list[str | Path] | None = None) -> Catalog:
+def load_catalog(extra: Sequence[str | Path] | None = None) -> Catalog:
     """Built-in tables, then the files of GPUWISE_CATALOG, then ``extra`` (later rows win)."""
     catalog = Catalog()
     for name in ("accelerators.csv", "cloud_prices.csv", "purchase_prices.csv"):

@@ -134,7 +134,9 @@ def spec_factory(spec, batch: int, seq: int):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if spec.qkv_bias else (LlamaConfig, LlamaForCausalLM)
-    config = config_cls(
+    # transformers' stub is narrower than its runtime: Qwen2Config's dataclass signature lists no head_dim,
+    # yet it keeps the keyword (as every PreTrainedConfig keeps extra ones) and the model reads it.
+    config = config_cls(  # type: ignore[call-arg]
         vocab_size=spec.vocab,
         hidden_size=spec.hidden,
         intermediate_size=spec.ffn,

@@ -12,6 +12,7 @@ import os
 import sqlite3
 import stat
 import time
+from collections.abc import Mapping
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,7 @@ def record(
         return int(cur.lastrowid)
 
 
-def calibrate(device: str, fractions: dict[str, float], record_id: int, path: Path | None = None) -> None:
+def calibrate(device: str, fractions: Mapping[str, float | None], record_id: int, path: Path | None = None) -> None:
     with closing(connect(path)) as con, con:
         con.executemany(
             "INSERT OR REPLACE INTO calibration (device, key, fraction, record_id, updated) VALUES (?, ?, ?, ?, ?)",

@@ -7,12 +7,17 @@ torchrun/SLURM environments, and collective checkpoint save/load.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 
 from gpuwise.errors import GpuwiseError
 from gpuwise.hardware.devices import bf16_native
 from gpuwise.plan.sharding import fully_shard_model
 from gpuwise.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from lightning_fabric.plugins.precision.precision import _PRECISION_INPUT
 
 
 def resolve_accelerator(requested: str) -> str:
@@ -57,7 +62,8 @@ def make_fabric(cfg: TrainConfig):
             accelerator=accelerator,
             devices=cfg.devices,
             num_nodes=cfg.num_nodes,
-            precision=precision,
+            # A str to the type checker, but TrainConfig.validate allows only PRECISIONS, each one Fabric takes.
+            precision=cast("_PRECISION_INPUT", precision),
             # FSDP through Fabric's FSDP2 strategy, data-parallel only (tensor parallel 1); the
             # checkpoint is then sharded: each process writes its own part, none gathers the model.
             strategy=ModelParallelStrategy(fully_shard_model, cfg.devices * cfg.num_nodes, 1)

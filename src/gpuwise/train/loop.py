@@ -107,6 +107,7 @@ def resume(run_dir: Path, console=None) -> dict | None:
 def forward_backward(run: Run, step: int, micro: int) -> float:
     """Forward and backward of this process's slice of the step, micro-batch by micro-batch; the mean loss."""
     cfg, fabric, work = run.cfg, run.fabric, run.work
+    assert cfg.batch_size is not None  # the workload's default filled it in set-up
     samples, epoch = step_samples(step, cfg.batch_size, work.train_size, cfg.seed)
     mine = samples[fabric.global_rank * run.share : (fabric.global_rank + 1) * run.share]
     chunks = [mine[i : i + micro] for i in range(0, len(mine), micro)]
@@ -132,6 +133,7 @@ def _train(run: Run, console) -> dict | None:
     )
     accelerator, world, share, total, run_dir = run.accelerator, run.world, run.share, run.total, run.run_dir
     step, micro, oom_events, raw = run.step, run.micro, run.oom_events, run.raw
+    assert micro is not None and cfg.batch_size is not None  # fit_and_plan and the workload's defaults set them
 
     # --- train ----------------------------------------------------------------------------
     inject, stop = fit.OOMInjector(), StopFlag()

@@ -21,7 +21,9 @@ def set_forward_rng(state) -> None:
 def rng_state() -> dict:
     """Every generator's state as tensors and plain values, so that a checkpoint loads with
     `weights_only=True` (numpy's own state holds an ndarray, which that loader refuses)."""
-    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    legacy = np.random.get_state()
+    assert isinstance(legacy, tuple)  # the default legacy=True form of numpy's global (MT19937) generator
+    kind, key, pos, has_gauss, gauss = legacy
     state = {
         "torch": torch.get_rng_state(),
         "numpy": {

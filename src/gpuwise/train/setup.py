@@ -83,7 +83,8 @@ class Run:
 def claim(cfg: TrainConfig, fabric, resume_dir: Path | None) -> tuple[Recorder, RunClaim | None]:
     """Rank 0 claims the run directory (a default name comes from the clock) and checks it; all ranks
     learn the answer, so a refusal stops every process instead of leaving the others waiting."""
-    choice, held = None, None
+    choice: str | GpuwiseError | None = None
+    held: RunClaim | None = None
     if fabric.is_global_zero:
         try:
             held = RunClaim.resume(resume_dir) if resume_dir else RunClaim.new(cfg)
@@ -107,13 +108,18 @@ def build(cfg: TrainConfig, fabric, accelerator: str, precision: str, strategy: 
         if getattr(cfg, key, None) is None:
             setattr(cfg, key, value)
     rec.save_config(cfg)
+    assert cfg.batch_size is not None and cfg.lr is not None  # the workload's defaults give both
     world = fabric.world_size
     if cfg.batch_size % world:
         raise GpuwiseError(f"--batch-size {cfg.batch_size} must be divisible by the {world} processes")
     steps_per_epoch = work.train_size // cfg.batch_size
     if steps_per_epoch == 0:
         raise GpuwiseError(f"--batch-size {cfg.batch_size} is larger than the {work.train_size} training samples")
-    total = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+    if cfg.max_steps:
+        total = cfg.max_steps
+    else:
+        assert cfg.epochs is not None  # the workload's defaults give it
+        total = math.ceil(cfg.epochs * steps_per_epoch)
 
     model = work.model
     # FSDP shards the model in place, yet the saved model must be whole: rank 0 keeps an unsharded
@@ -205,6 +211,7 @@ def fit_and_plan(run: Run, forward_backward: Callable[[int, int], float]) -> Non
     run.micro = min(run.micro, run.share)
     set_rng_state(rng)
     run.peak, run.peak_origin = measure.peak_flops(run.accelerator, run.precision, fabric.local_rank)
+    assert cfg.batch_size is not None  # build() filled it from the workload's defaults
     run.flops_per_step = flops_per_sample * cfg.batch_size
     run.device_key = measure.device_key(run.accelerator, fabric.local_rank)
     trainable = sum(p.numel() for p in raw.parameters() if p.requires_grad)

@@ -102,7 +102,7 @@ class Workload(ABC):
         """A finished run's answers for the CLI's inputs (options: k, max_tokens; ignore what does not apply)."""
 
     def describe(self, result: dict) -> str:
-        """One `predict` result as a line of text for the terminal (rich markup allowed)."""
+        """One `predict` result as plain text for the terminal (printed as is: no markup)."""
         return json.dumps(result, ensure_ascii=False)
 
     def serve(self, run_dir: Path, cfg: Any, runtime: str, limits: Limits) -> Served:

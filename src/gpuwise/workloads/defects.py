@@ -36,7 +36,7 @@ def _resize(images: np.ndarray, size: int) -> np.ndarray:
 
     if images.shape[1:] == (size, size):
         return images
-    return np.stack([np.asarray(Image.fromarray(im).resize((size, size), Image.BILINEAR)) for im in images])
+    return np.stack([np.asarray(Image.fromarray(im).resize((size, size), Image.Resampling.BILINEAR)) for im in images])
 
 
 def load_elpv(size: int):
@@ -56,7 +56,7 @@ def to_grey(im, size: int) -> np.ndarray:
     """A PIL image as the model sees it: grey, size x size, uint8."""
     from PIL import Image
 
-    return np.asarray(im.convert("L").resize((size, size), Image.BILINEAR))
+    return np.asarray(im.convert("L").resize((size, size), Image.Resampling.BILINEAR))
 
 
 def read_image(path: Path, size: int) -> np.ndarray:
@@ -78,14 +78,14 @@ def load_folder(root: Path, size: int):
         raise GpuwiseError(f"{root}: expected two class folders (e.g. functional/ and defective/), found {classes}")
     positive = next((c for c in classes if c.lower() in POSITIVE_NAMES), classes[1])
     ordered = [c for c in classes if c != positive] + [positive]
-    images, labels = [], []
+    images, label_list = [], []
     for label, name in enumerate(ordered):
         files = sorted(p for p in (root / name).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
         if not files:
             raise GpuwiseError(f"{root / name}: no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
         images += [read_image(f, size) for f in files]
-        labels += [label] * len(files)
-    labels = np.asarray(labels, dtype=np.int64)
+        label_list += [label] * len(files)
+    labels = np.asarray(label_list, dtype=np.int64)
     return np.stack(images), labels, {"data": str(root), "classes": ordered, "strata": labels.astype(str)}
 
 
@@ -281,6 +281,7 @@ def sample_inputs(cfg, meta: dict, n: int = 8) -> tuple[np.ndarray, str]:
     if images is None:
         images = np.random.default_rng(0).integers(0, 256, (n, size, size), dtype=np.uint8)
         source = "random images (the run's data is not readable here)"
+    assert source is not None  # set together with images on every path
     return to_tensor(images).numpy(), source
 
 
@@ -400,7 +401,7 @@ class Defects(Workload):
         return predict(run_dir, cfg, inputs)
 
     def describe(self, r: dict) -> str:
-        return f"{r['input']}: [bold]{r['label']}[/] (p({r['positive_class']}) = {r['probability']:.3f})"
+        return f"{r['input']}: {r['label']} (p({r['positive_class']}) = {r['probability']:.3f})"
 
     def serve(self, run_dir: Path, cfg, runtime: str, limits: Limits) -> Served:
         return Served(run_dir, cfg, runtime, limits)

@@ -17,7 +17,7 @@ import shutil
 import threading
 import warnings
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from gpuwise.workloads.serving import ClientError, Job, Limits, ServeContext, Te
 
 PROMPTS = ("this coffee", "my dog", "i ordered")
 EOS = "<|endoftext|>"
-SMALL_LLAMA = dict(
+SMALL_LLAMA: dict[str, Any] = dict(
     hidden_size=256,
     intermediate_size=768,
     num_hidden_layers=4,
@@ -72,9 +72,10 @@ def load_texts(path: str | None, seed: int = 0) -> tuple[list[str], list[str], s
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise GpuwiseError(f"{p}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("text", rec.get("review")), str):
+            text = rec.get("text", rec.get("review")) if isinstance(rec, dict) else None
+            if not isinstance(text, str):
                 raise GpuwiseError(f"{p}:{n}: each line needs a string field 'text'")
-            texts.append(rec.get("text", rec.get("review")))
+            texts.append(text)
     else:
         import pandas as pd
 
@@ -455,7 +456,8 @@ class Served:
         from transformers import TextStreamer
 
         ids = self._inputs(prompt, max_tokens)
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[str | None] = asyncio.Queue()
 
         def put(item) -> None:
             with contextlib.suppress(RuntimeError):  # the loop has closed (server shut down): nobody listens
@@ -552,7 +554,7 @@ class ProductLM(Workload):
         return predict(run_dir, cfg, inputs, max_tokens=max_tokens)
 
     def describe(self, r: dict) -> str:
-        return f"[bold]{r['prompt']}[/] -> {r['text']}"
+        return f"{r['prompt']} -> {r['text']}"
 
     def serve(self, run_dir: Path, cfg, runtime: str, limits: Limits) -> Served:
         return Served(run_dir, cfg, runtime, limits)

@@ -389,7 +389,7 @@ class Recommender(Workload):
         return predict(run_dir, cfg, inputs, k=k)
 
     def describe(self, r: dict) -> str:
-        lines = [f"[bold]user {r['user']}[/] ({r['source']}):"]
+        lines = [f"user {r['user']} ({r['source']}):"]
         for n, it in enumerate(r["items"], 1):
             score = f"  score {it['score']:.3f}" if it["score"] is not None else ""
             lines.append(f"  {n:>2}. {it['item']}" + (f"  {it['title']}" if it.get("title") else "") + score)
