@@ -88,6 +88,8 @@ def test_defects_endpoints_and_bad_images(runs):
         assert c.get("/health").json()["status"] == "ok"
         info = c.get("/v1/info").json()
         assert info["workload"] == "defects" and info["device"] == "cpu" and info["run_id"] == "defects"
+        summary = json.loads((runs["defects"] / "summary.json").read_text())  # read through TrainSummary
+        assert info["steps"] == summary["steps"] == 2 and info["eval"] == summary["eval"]
         files = [("file", ("a.png", png(), "image/png")), ("file", ("b.jpg", png(fmt="JPEG"), "image/jpeg"))]
         r = c.post("/v1/predict", files=files)
         assert r.status_code == 200, r.text

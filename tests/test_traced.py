@@ -98,10 +98,10 @@ def test_sharded_tracing_holds_a_quarter_of_the_states_and_agrees_with_zero3(nam
 def test_traced_matches_an_independent_measurement(workload):
     # Issue #4: traced peak memory against the profiler's memory timeline of a real step (its own
     # allocation events, not MemTracker) within 5 %; traced FLOPs against a real step's count within 2 %.
-    from gpuwise.plan.traced import workload_factory
+    from gpuwise.cli.plan import workload_step
     from gpuwise.train.measure import measured_step
 
-    plan = traced_plan(workload, workload_factory(workload), load_catalog().get("l4"), "fp32", None)
+    plan = traced_plan(workload, workload_step(workload), load_catalog().get("l4"), "fp32", None)
     traced_bytes = plan["memory"]["total"] - plan["memory"]["overhead"]  # tensors, as the profiler sees them
     real_bytes, real_flops = measured_step(workload)
     assert traced_bytes == pytest.approx(real_bytes, rel=0.05)

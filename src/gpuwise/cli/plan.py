@@ -153,7 +153,7 @@ def plan(
         render_plan(console, result, sweep=gpu is None)
 
 
-def _workload_step(name: str):
+def workload_step(name: str):
     """The workload's bench step (model and the loss of one synthetic batch), built under the tracer's fake tensors."""
     import torch
 
@@ -191,7 +191,7 @@ def _traced(
         raise GpuwiseError("--traced runs a plain AdamW step without recompute: drop --checkpointing/--optimizer")
     acc = cat.get(req.gpu) if req.gpu else None
     if workload:
-        name, build = workload, _workload_step(workload)
+        name, build = workload, workload_step(workload)
     elif module:
         name, build = module, traced.module_factory(module)
     else:

@@ -16,8 +16,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
+from gpuwise.errors import GpuwiseError
+from gpuwise.results import TrainSummary
 from gpuwise.serve.batcher import DynamicBatcher, ServeMetrics
 from gpuwise.workloads.serving import ClientError, Limits, ServeContext
 
@@ -47,6 +49,8 @@ class Info(BaseModel):
     max_batch: int
     max_wait_ms: float
     limits: dict
+    steps: int | None = Field(None, description="optimizer steps the served run was trained for (its summary.json)")
+    eval: dict = Field(default_factory=dict, description="the run's held-out metrics, as `gpuwise train` measured them")
 
 
 def _error(status: int, message: str, **headers) -> JSONResponse:
@@ -150,6 +154,19 @@ class Guard:
         self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
 
 
+def _trained(run_dir: str) -> TrainSummary | None:
+    """The served run's summary (read through the typed result), or None where it cannot be read."""
+    import json
+    from pathlib import Path
+
+    from gpuwise.files import read_text_file
+
+    try:
+        return TrainSummary.load(json.loads(read_text_file(Path(run_dir) / "summary.json", "run summary", "JSON")))
+    except (GpuwiseError, ValueError):  # pydantic's ValidationError is a ValueError
+        return None
+
+
 def create_app(served, settings: Settings, run_id: str, precision: str):
     limits, metrics = settings.limits, ServeMetrics()
     batcher = DynamicBatcher(served, settings.max_batch, settings.max_wait_ms, metrics)
@@ -195,6 +212,8 @@ def create_app(served, settings: Settings, run_id: str, precision: str):
     async def health() -> dict:
         return {"status": "ok", "workload": served.workload}
 
+    trained = _trained(settings.run_dir)
+
     @app.get("/v1/info", response_model=Info)
     async def info() -> Info:
         return Info(
@@ -207,6 +226,8 @@ def create_app(served, settings: Settings, run_id: str, precision: str):
             max_batch=settings.max_batch,
             max_wait_ms=settings.max_wait_ms,
             limits=asdict(limits),
+            steps=trained.steps if trained else None,
+            eval=trained.eval if trained else {},
         )
 
     @app.get("/metrics", response_class=PlainTextResponse)
