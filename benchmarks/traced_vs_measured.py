@@ -19,16 +19,17 @@ from gpuwise.train.measure import measured_step
 
 def main() -> None:
     os.environ["GPUWISE_DB"] = str(Path(tempfile.mkdtemp()) / "benchmark-runs.sqlite")
-    from gpuwise.bench.macro import WORKLOADS
+    from gpuwise.cli.plan import workload_step
     from gpuwise.hardware.catalog import load_catalog
-    from gpuwise.plan.traced import traced_plan, workload_factory
+    from gpuwise.plan.traced import traced_plan
+    from gpuwise.workloads import names
 
     acc = load_catalog().get("l4")
     widths = (14, 12, 14, 8, 14, 10, 8)
     header = ("workload", "traced MiB", "measured MiB", "error", "traced GFLOP", "measured", "error")
     print(f"{header[0]:<14}" + "".join(f"{h:>{w}}" for h, w in zip(header[1:], widths[1:], strict=True)))
-    for name in WORKLOADS:
-        plan = traced_plan(name, workload_factory(name), acc, "fp32", None)
+    for name in names():
+        plan = traced_plan(name, workload_step(name), acc, "fp32", None)
         traced_bytes = plan["memory"]["total"] - plan["memory"]["overhead"]  # tensors only, like the measurement
         real_bytes, real_flops = measured_step(name)
         traced_flops = plan["compute"]["flops_per_step"]

@@ -137,7 +137,7 @@ def test_bench_round_trips_as_the_same_json(tmp_path):
     assert "host -> device" in text and "l4 (projected) vs cpu" in text and "projected, not measured" in text
 
 
-@pytest.mark.parametrize("kind", ["plan", "train", "bench"])
+@pytest.mark.parametrize("kind", ["plan", "traced", "train", "bench"])
 def test_schema_command_prints_the_published_schema(capsys, kind):
     assert main(["schema", kind]) == 0
     out = capsys.readouterr().out

@@ -6,7 +6,7 @@ workload (its metrics, its data description) stay open mappings. Fields a record
 may lack are optional; `dump()` leaves out every key that was not given, so an old record round-trips as it
 was and a key a producer leaves out (a CPU bench has no host_device) stays out.
 
-`gpuwise schema plan|train|bench` prints these models as JSON Schema (docs/schema/ holds a copy).
+`gpuwise schema plan|traced|train|bench` prints these models as JSON Schema (docs/schema/ holds a copy).
 """
 
 from __future__ import annotations
@@ -219,6 +219,44 @@ class PlanResult(PlanFields):
     recommended: bool | None = Field(None, description="whether the top option fits (false: nothing fits)")
     assumptions: list[Assumption] = Field(default_factory=list, description="every assumption the plan used")
     options: list[PlanOption] = Field(default_factory=list, description="every accelerator planned, best first")
+    record_id: int | None = Field(None, description="id in the run record (`gpuwise runs`); null if not recorded")
+
+
+class TracedMemory(Result):
+    """What was live at the traced step's peak, by part (torch MemTracker), in bytes per GPU."""
+
+    weights: int = Field(description="parameters and buffers, bytes per GPU")
+    gradients: int = Field(description="gradients, bytes per GPU")
+    optimizer: int = Field(description="optimizer states, bytes per GPU")
+    activations: int = Field(description="activations, temporaries, inputs and FSDP's collective buffers, bytes")
+    overhead: int = Field(description="CUDA context and allocator slack (assumptions, printed), bytes per GPU")
+    total: int = Field(description="peak bytes per GPU: the tensors traced plus the overhead")
+
+
+class TracedCompute(Result):
+    """One traced training step against the device's roofline."""
+
+    flops_per_step: Number = Field(description="FLOPs of one step (torch's FlopCounter formulas)")
+    bytes_per_step: Number = Field(description="bytes read and written by the step's ops")
+    roofline_s: Number = Field(description="sum over ops of max(FLOPs / peak, bytes / bandwidth), seconds")
+    efficiency: Number = Field(description="share of the roofline reached (default, bench or --efficiency)")
+    efficiency_origin: str = Field(description="where the efficiency comes from")
+    step_time_s: Number = Field(description="roofline / efficiency, seconds per step")
+
+
+class TracedPlan(Result):
+    """`gpuwise plan --traced --json`: one training step of a real model traced on fake tensors."""
+
+    traced: bool = Field(description="always true: tells a traced plan from an analytic one in the record")
+    model: ModelInfo = Field(description="the model traced: a preset, a workload or a --module factory")
+    gpu: str = Field(description="catalog slug of the accelerator planned for")
+    gpus: int = Field(description="processes the model is FSDP-sharded over (1: not sharded)")
+    precision: str = Field(description="fp32, bf16 (autocast) or fp16 (autocast)")
+    memory: TracedMemory = Field(description="the peak, by part, bytes per GPU")
+    capacity: int = Field(description="the accelerator's memory, bytes")
+    fits: bool = Field(description="whether the peak fits the capacity")
+    compute: TracedCompute = Field(description="FLOPs, bytes and time of one step")
+    method: str = Field(description="how the figures were made, in words")
     record_id: int | None = Field(None, description="id in the run record (`gpuwise runs`); null if not recorded")
 
 
@@ -471,4 +509,9 @@ class TrainSummary(Result):
         return self.data.get("published") or {}
 
 
-SCHEMAS: dict[str, type[Result]] = {"plan": PlanResult, "train": TrainSummary, "bench": BenchResult}
+SCHEMAS: dict[str, type[Result]] = {
+    "plan": PlanResult,
+    "traced": TracedPlan,
+    "train": TrainSummary,
+    "bench": BenchResult,
+}

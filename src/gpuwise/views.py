@@ -8,7 +8,7 @@ from rich.table import Table
 
 from gpuwise.hardware.catalog import Catalog
 from gpuwise.hardware.devices import Devices
-from gpuwise.results import PlanFields, PlanResult
+from gpuwise.results import PlanFields, PlanResult, TracedPlan
 
 GiB = 2**30
 
@@ -201,30 +201,29 @@ def render_plan(console: Console, res: PlanResult | dict, sweep: bool) -> None:
     _render_detail(console, res)
 
 
-def render_traced(console: Console, res: dict) -> None:
-    mem, comp = res["memory"], res["compute"]
-    where = f"per GPU of {res['gpus']} x {res['gpu']} (FSDP)" if res["gpus"] > 1 else f"1 x {res['gpu']}"
-    console.print(
-        f"[bold]{res['model']['name']}[/], traced on fake tensors · one training step · {res['precision']} · {where}"
-    )
+def render_traced(console: Console, result: dict | TracedPlan) -> None:
+    res = TracedPlan.load(result)
+    mem, comp = res.memory, res.compute
+    where = f"per GPU of {res.gpus} x {res.gpu} (FSDP)" if res.gpus > 1 else f"1 x {res.gpu}"
+    console.print(f"[bold]{res.model.name}[/], traced on fake tensors · one training step · {res.precision} · {where}")
     t = Table(box=box.SIMPLE, pad_edge=False, show_header=False)
     t.add_column("part")
     t.add_column("GiB", justify="right")
     for part in ("weights", "gradients", "optimizer", "activations", "overhead"):
-        t.add_row(part, gib(mem[part]))
-    t.add_row("[bold]peak[/]", f"[bold]{gib(mem['total'])}[/]", end_section=True)
-    t.add_row("capacity", gib(res["capacity"]))
+        t.add_row(part, gib(getattr(mem, part)))
+    t.add_row("[bold]peak[/]", f"[bold]{gib(mem.total)}[/]", end_section=True)
+    t.add_row("capacity", gib(res.capacity))
     console.print(t)
     console.print(
-        ("[green]fits[/]" if res["fits"] else "[red]does not fit[/]")
+        ("[green]fits[/]" if res.fits else "[red]does not fit[/]")
         + "; the parts are what was live at the peak (torch MemTracker)"
     )
     console.print(
-        f"Step: {comp['flops_per_step']:.3g} FLOPs, {comp['bytes_per_step'] / 1e9:,.2f} GB moved; roofline "
-        f"{comp['roofline_s'] * 1e3:,.2f} ms / efficiency {comp['efficiency']:g} "
-        f"({comp['efficiency_origin']}) = {comp['step_time_s'] * 1e3:,.2f} ms"
+        f"Step: {comp.flops_per_step:.3g} FLOPs, {comp.bytes_per_step / 1e9:,.2f} GB moved; roofline "
+        f"{comp.roofline_s * 1e3:,.2f} ms / efficiency {comp.efficiency:g} "
+        f"({comp.efficiency_origin}) = {comp.step_time_s * 1e3:,.2f} ms"
     )
-    console.print(f"[dim]{res['method']}[/]")
+    console.print(f"[dim]{res.method}[/]")
 
 
 def _fit_cell(row: PlanFields) -> str:

@@ -1,5 +1,6 @@
-"""`gpuwise schema`: the JSON Schema of what `plan --json`, `train --json` (summary.json) and `bench --json`
-(bench.json) print, for scripts that read them. docs/schema/ holds the same text; a test keeps them equal."""
+"""`gpuwise schema`: the JSON Schema of what `plan --json`, `plan --traced --json`, `train --json`
+(summary.json) and `bench --json` (bench.json) print, for scripts that read them. docs/schema/ holds the
+same text; a test keeps them equal."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Annotated
 import typer
 
 # Spelled out rather than read from gpuwise.results: the models are imported only when a command needs them.
-Kind = StrEnum("Kind", ["plan", "train", "bench"])
+Kind = StrEnum("Kind", ["plan", "traced", "train", "bench"])
 
 
 EPILOG = "Example: gpuwise schema train > summary.schema.json"
@@ -25,7 +26,12 @@ def schema_text(kind: str) -> str:
 
 
 def schema(
-    kind: Annotated[Kind, typer.Argument(help="plan (plan --json), train (summary.json) or bench (bench.json).")],
+    kind: Annotated[
+        Kind,
+        typer.Argument(
+            help="plan (plan --json), traced (plan --traced --json), train (summary.json) or bench (bench.json)."
+        ),
+    ],
 ) -> None:
     """Print the JSON Schema of a result: every field, its type, and what it holds in which unit."""
     sys.stdout.write(schema_text(kind.value))

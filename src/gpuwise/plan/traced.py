@@ -250,31 +250,36 @@ def _trace(name: str, build, acc: Accelerator, precision: str, peak: float, mesh
 
 
 def traced_plan(name: str, build, acc: Accelerator, precision: str, efficiency: float | None, shards: int = 1) -> dict:
+    """The traced plan as JSON, checked against its declared shape (results.TracedPlan)."""
+    from gpuwise.results import TracedPlan
+
     t = trace(name, build, acc, precision, shards)
     eff, origin = (efficiency, "--efficiency") if efficiency else (EFFICIENCY.value, EFFICIENCY.origin)
-    return {
-        "traced": True,
-        "model": {"name": name},
-        "gpu": acc.slug,
-        "gpus": shards,
-        "precision": precision,
-        "memory": {k: int(v) for k, v in t.memory.items()},
-        "capacity": acc.mem_bytes,
-        "fits": t.memory["total"] <= acc.mem_bytes,
-        "compute": {
-            "flops_per_step": t.flops,
-            "bytes_per_step": t.bytes_moved,
-            "roofline_s": t.roofline_s,
-            "efficiency": eff,
-            "efficiency_origin": origin,
-            "step_time_s": t.roofline_s / eff,
-        },
-        "method": (
-            f"one training step of rank 0 of {shards} on fake tensors, FSDP2-sharded over a fake process "
-            "group: torch FSDPMemTracker (peak by category); "
-            if shards > 1
-            else "one training step on fake tensors: torch MemTracker (peak by category); "
-        )
-        + "FlopCounter formulas per op, roofline max(FLOPs/peak, bytes/bandwidth) per op / efficiency"
-        + ("; collectives' time not counted" if shards > 1 else ""),
-    }
+    return TracedPlan.build(
+        {
+            "traced": True,
+            "model": {"name": name},
+            "gpu": acc.slug,
+            "gpus": shards,
+            "precision": precision,
+            "memory": {k: int(v) for k, v in t.memory.items()},
+            "capacity": acc.mem_bytes,
+            "fits": t.memory["total"] <= acc.mem_bytes,
+            "compute": {
+                "flops_per_step": t.flops,
+                "bytes_per_step": t.bytes_moved,
+                "roofline_s": t.roofline_s,
+                "efficiency": eff,
+                "efficiency_origin": origin,
+                "step_time_s": t.roofline_s / eff,
+            },
+            "method": (
+                f"one training step of rank 0 of {shards} on fake tensors, FSDP2-sharded over a fake process "
+                "group: torch FSDPMemTracker (peak by category); "
+                if shards > 1
+                else "one training step on fake tensors: torch MemTracker (peak by category); "
+            )
+            + "FlopCounter formulas per op, roofline max(FLOPs/peak, bytes/bandwidth) per op / efficiency"
+            + ("; collectives' time not counted" if shards > 1 else ""),
+        }
+    ).dump()
