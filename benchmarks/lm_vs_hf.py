@@ -79,6 +79,7 @@ def main() -> None:
 
     common = dict(
         workload="product-lm",
+        base="scratch",
         method="lora",
         lora_rank=16,
         block_size=args.block_size,

@@ -34,7 +34,17 @@ def train(tmp: Path) -> dict[str, Path]:
     env = dict(os.environ, GPUWISE_DB=str(tmp / "runs.sqlite"))
     runs = {"product-lm": tmp / "lm", "defects": tmp / "defects"}
     args = {
-        "product-lm": ["product-lm", "--max-steps", "1", "--block-size", "64", "--batch-size", "4"],
+        "product-lm": [
+            "product-lm",
+            "--base",
+            "scratch",
+            "--max-steps",
+            "1",
+            "--block-size",
+            "64",
+            "--batch-size",
+            "4",
+        ],
         "defects": ["defects", "--max-steps", "1", "--image-size", "64", "--batch-size", "8"],
     }
     for name, run in runs.items():

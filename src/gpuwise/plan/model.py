@@ -7,7 +7,7 @@ exactly (a test holds every preset to its published count).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from gpuwise.errors import GpuwiseError, closest
@@ -38,6 +38,8 @@ class ModelSpec:
     dropout: bool = False  # dropout masks kept for backward (Korthikanti's accounting)
     max_seq: int = 0
     published_params: float | None = None
+    source: str = ""  # where the dimensions come from (a Hugging Face repo id, a file)
+    notes: str = ""  # what the planner does not model about this architecture
 
     # --- parameter counts -------------------------------------------------------------
     @property
@@ -139,7 +141,8 @@ def _whole(where: str, key: str, field: str, value) -> int:
 
 
 def _from_dims(text: str) -> ModelSpec:
-    known = {f.name: f.type for f in fields(ModelSpec) if f.name not in ("name", "published_params")}
+    skip = ("name", "published_params", "source", "notes")
+    known = {f.name: f.type for f in fields(ModelSpec) if f.name not in skip}
     aliases = {"n_layers": "layers", "d_model": "hidden", "n_heads": "heads", "intermediate": "ffn"}
     values: dict = {}
     for part in text.split(","):
@@ -297,13 +300,202 @@ def from_hf_config(path: Path) -> ModelSpec:
     return _checked(spec)
 
 
+# --- GGUF -------------------------------------------------------------------------------
+# A GGUF file (llama.cpp's format) opens with its metadata: the magic b"GGUF", a version, the tensor and
+# key/value counts, every key/value, then each tensor's name, shape, type and offset; the weights follow.
+# Only that header is read, through a memory map: the weights are never touched. gguf.GGUFReader reads the
+# same header but builds a NumPy view of every string of the tokenizer (about 5 s for a 49 k vocabulary on
+# two cores, more for a 128 k one); this reader skips what it does not need, without NumPy, in milliseconds.
+# tests/test_open_models.py holds the two readers to the same answer on the real file.
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+# The architectures whose GGUF tensors map onto ModelSpec (llama.cpp writes Mistral 7B as llama).
+_GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "gemma": "gemma", "gemma2": "gemma2"}
+
+
+class _Truncated(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class GGUFArray:
+    """A metadata array: its element type and length; the values only when short and numeric."""
+
+    type: int
+    length: int
+    values: tuple = ()
+
+
+def read_gguf_header(path: Path) -> tuple[dict[str, object], dict[str, tuple[int, ...]]]:
+    """The metadata (key -> value) and the tensors (name -> shape, GGUF order) of a GGUF file, or one line."""
+    import mmap
+    import os
+    import stat
+    import struct
+
+    try:
+        info = os.stat(path)
+        if stat.S_ISDIR(info.st_mode):
+            raise GpuwiseError(f"cannot read GGUF file {path}: it is a directory")
+        if not stat.S_ISREG(info.st_mode):
+            raise GpuwiseError(f"cannot read GGUF file {path}: not a regular file (a device, FIFO or socket)")
+        with open(path, "rb") as f:
+            if info.st_size < 24:
+                head = f.read(4)
+                if head == b"GGUF":
+                    raise GpuwiseError(f"{path}: truncated GGUF file ({info.st_size} bytes, not even the header)")
+                raise GpuwiseError(f"{path}: not a GGUF file (it does not start with the GGUF magic)")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                if data[:4] != b"GGUF":
+                    raise GpuwiseError(f"{path}: not a GGUF file (it does not start with the GGUF magic)")
+                try:
+                    return _parse_gguf(data, path, struct)
+                except (_Truncated, struct.error):
+                    raise GpuwiseError(f"{path}: truncated GGUF file (the header ends early)") from None
+    except OSError as e:
+        raise GpuwiseError(f"cannot read GGUF file {path}: {e.strerror}") from None
+
+
+def _parse_gguf(data, path: Path, struct) -> tuple[dict[str, object], dict[str, tuple[int, ...]]]:
+    size = len(data)
+    version, tensor_count, kv_count = struct.unpack_from("<IQQ", data, 4)
+    if version not in (2, 3):
+        raise GpuwiseError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
+    pos = 24
+
+    def need(n: int) -> None:
+        if n < 0 or pos + n > size:
+            raise _Truncated
+
+    def string() -> str:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", data, pos)
+        pos += 8
+        need(n)
+        text = bytes(data[pos : pos + n]).decode("utf-8", errors="replace")
+        pos += n
+        return text
+
+    def value(kind: int) -> object:
+        nonlocal pos
+        if kind in _GGUF_SCALARS:
+            fmt = _GGUF_SCALARS[kind]
+            (v,) = struct.unpack_from(fmt, data, pos)
+            pos += struct.calcsize(fmt)
+            return v
+        if kind == _GGUF_STRING:
+            return string()
+        if kind == _GGUF_ARRAY:
+            item, n = struct.unpack_from("<IQ", data, pos)
+            pos += 12
+            if item in _GGUF_SCALARS:
+                width = struct.calcsize(_GGUF_SCALARS[item])
+                need(n * width)
+                values = struct.unpack_from(f"<{n}{_GGUF_SCALARS[item][1]}", data, pos) if n <= 4096 else ()
+                pos += n * width
+                return GGUFArray(item, n, values)
+            need(n * 8)  # every string or nested array takes at least 8 bytes: a huge n is refused here
+            for _ in range(n):
+                if item == _GGUF_STRING:  # skipped by its length, never decoded (the tokenizer's 100 k strings)
+                    (k,) = struct.unpack_from("<Q", data, pos)
+                    pos += 8
+                    need(k)
+                    pos += k
+                else:
+                    value(item)
+            return GGUFArray(item, n)
+        raise GpuwiseError(f"{path}: unknown GGUF value type {kind} (a damaged or newer file)")
+
+    need(kv_count * 12)  # key length + value type: at least 12 bytes each
+    meta: dict[str, object] = {}
+    for _ in range(kv_count):
+        key = string()
+        (kind,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        meta[key] = value(kind)
+    need(tensor_count * 24)  # name length + dims count + type + offset
+    tensors: dict[str, tuple[int, ...]] = {}
+    for _ in range(tensor_count):
+        name = string()
+        (n_dims,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        need(8 * n_dims + 12)
+        tensors[name] = struct.unpack_from(f"<{n_dims}Q", data, pos)
+        pos += 8 * n_dims + 12  # the shape, then the type and the data offset
+    return meta, tensors
+
+
+def from_gguf(path: Path, name: str | None = None) -> ModelSpec:
+    """A model's dimensions from a GGUF file's header (the weights are not read)."""
+    meta, tensors = read_gguf_header(path)
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise GpuwiseError(f"{path}: the GGUF header names no general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise GpuwiseError(
+            f"{path}: GGUF architecture {_shown(arch)} cannot be planned (supported: "
+            f"{', '.join(_GGUF_ARCHS)}); give explicit dimensions instead "
+            "(layers=..,hidden=..,heads=..,ffn=..,vocab=..)"
+        )
+    family = _GGUF_ARCHS[arch]
+
+    def num(field: str, key: str, default: int | None = None) -> int:
+        value = meta.get(f"{arch}.{key}")
+        if value is None:
+            if default is None:
+                raise GpuwiseError(f"{path}: the GGUF header lacks {arch}.{key}")
+            return default
+        if isinstance(value, GGUFArray):  # per-layer values (OpenELM-style): one width is all ModelSpec has
+            raise GpuwiseError(f"{path}: {arch}.{key} differs per layer, which gpuwise cannot plan")
+        return _whole(f"{path}: ", f"{arch}.{key}", field, value)
+
+    hidden, heads = num("hidden", "embedding_length"), num("heads", "attention.head_count")
+    head_dim = num("head_dim", "attention.key_length", 0) or _head_dim(
+        str(path), "embedding_length", hidden, "attention.head_count", heads
+    )
+    # The vocabulary is what the embedding holds (converters pad the token list up to it); else the token list.
+    embedding = tensors.get("token_embd.weight")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if embedding is not None and len(embedding) == 2:
+        vocab = _whole(f"{path}: ", "token_embd.weight", "vocab", embedding[1])
+    elif isinstance(tokens, GGUFArray):
+        vocab = _whole(f"{path}: ", "tokenizer.ggml.tokens", "vocab", tokens.length)
+    else:
+        vocab = num("vocab", "vocab_size")
+    return _checked(
+        ModelSpec(
+            name=name or path.name,
+            family=family,
+            layers=num("layers", "block_count"),
+            hidden=hidden,
+            heads=heads,
+            kv_heads=num("kv_heads", "attention.head_count_kv", heads),
+            head_dim=head_dim,
+            ffn=num("ffn", "feed_forward_length"),
+            vocab=vocab,
+            tied="output.weight" not in tensors,  # no separate LM head: it is the embedding
+            norms_per_layer=4 if family == "gemma2" else 2,
+            qkv_bias="blk.0.attn_q.bias" in tensors,
+            max_seq=num("max_seq", "context_length", 0),
+            source=str(path),
+        )
+    )
+
+
 def resolve_model(text: str) -> ModelSpec:
-    """MODEL as the CLI takes it: a preset name, a config.json path, or key=value dimensions."""
+    """MODEL as the CLI takes it: a preset name, a named base, a .gguf or config.json path, or key=value dimensions."""
+    from gpuwise.plan.bases import NAMED_BASES, named_base_path
+
     key = text.strip().lower()
     if not key:
-        raise GpuwiseError("--model is empty: give a preset, a config.json path or dimensions")
+        raise GpuwiseError("--model is empty: give a preset, a named base, a .gguf or config.json path or dimensions")
     if key in PRESETS:
         return ModelSpec(name=key, **PRESETS[key])
+    if key in NAMED_BASES:
+        base = NAMED_BASES[key]
+        spec = from_gguf(named_base_path(key), name=key)
+        return replace(spec, published_params=base.params, source=f"{base.source} ({base.license}), via {base.package}")
     if "=" in text:
         return _from_dims(text)
     shown = text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
@@ -311,12 +503,17 @@ def resolve_model(text: str) -> ModelSpec:
         path = Path(text).expanduser()
         found = path.exists()
     except RuntimeError:  # ~user of no such user
-        raise GpuwiseError(f"cannot read model config {shown}: no such user's home directory") from None
+        raise GpuwiseError(f"cannot read model file {shown}: no such user's home directory") from None
     except OSError as e:  # a name too long, a path through a file the user cannot search
-        raise GpuwiseError(f"cannot read model config {shown}: {e.strerror}") from None
+        raise GpuwiseError(f"cannot read model file {shown}: {e.strerror}") from None
+    if text.lower().endswith(".gguf"):
+        if not found:
+            raise GpuwiseError(f"cannot read GGUF file {shown}: no such file")
+        return from_gguf(path)
     if found or text.endswith(".json"):
         return from_hf_config(path)
+    known = list(PRESETS) + list(NAMED_BASES)
     raise GpuwiseError(
-        f"unknown model '{shown}'{closest(key, PRESETS)}; give a preset "
-        "(see `gpuwise plan --help`), a config.json path, or dimensions like layers=32,hidden=4096,..."
+        f"unknown model '{shown}'{closest(key, known)}; give a preset or named base "
+        "(see `gpuwise plan --help`), a .gguf or config.json path, or dimensions like layers=32,hidden=4096,..."
     )

@@ -50,7 +50,7 @@ class TrainConfig:
     image_size: int = 128  # images are resized to this square
     init_from: str | None = None  # last week's run: warm start, embeddings grown for new ids
     base: str | None = None  # a local model directory or hub id; default: a small Llama from a config
-    method: str = "full"
+    method: str | None = None  # full, lora or qlora; None: the workload's default
     lora_rank: int = 16
     merge: bool = False  # lora/qlora: also save the base with the adapter merged in, as model/
     block_size: int = 128  # tokens per training sequence
@@ -71,7 +71,7 @@ class TrainConfig:
             ("method", METHODS),
         ):
             value = getattr(self, name)
-            if value not in allowed:
+            if value is not None and value not in allowed:
                 raise GpuwiseError(f"--{name} must be one of {', '.join(allowed)}, not '{value}'")
         for name in (
             "epochs",

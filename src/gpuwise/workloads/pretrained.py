@@ -1,0 +1,94 @@
+"""Open pretrained LLMs as a fine-tune's base: a named base (a file an installed package ships), a `.gguf`
+file, a local Hugging Face directory, or a hub id.
+
+transformers reads a GGUF file (`gguf_file=`) but dequantizing it takes 20-30 s here, and a GGUF-loaded
+model refuses `save_pretrained`. So a GGUF base is converted once, into safetensors in gpuwise's cache
+(`GPUWISE_CACHE`, else the user cache dir), keyed by the file's SHA-256, and loaded from there (~1 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from gpuwise.errors import GpuwiseError, first_line
+
+SCRATCH = "scratch"  # the small Llama built from a config, with a tokenizer trained on the data
+
+
+def cache_root() -> Path:
+    """Where converted bases are kept: GPUWISE_CACHE, else the platform's user cache dir."""
+    if os.environ.get("GPUWISE_CACHE"):
+        return Path(os.environ["GPUWISE_CACHE"])
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("gpuwise"))
+
+
+def _check_gguf(path: Path) -> None:
+    if not path.is_file():
+        raise GpuwiseError(f"--base {path}: no such file")
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise GpuwiseError(f"--base {path}: not a GGUF file (no GGUF header)")
+
+
+def _digest(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def convert_gguf(path: Path) -> Path:
+    """A from_pretrained-ready directory (config, safetensors, tokenizer) converted once from a GGUF file."""
+    _check_gguf(path)
+    target = cache_root() / "bases" / f"{path.stem}-{_digest(path)[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - gguf and transformers raise many types for a bad file
+        raise GpuwiseError(f"--base {path}: cannot read the model in this GGUF file ({first_line(e)})") from None
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # dequantized on load: what is saved is plain float weights
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    # Written under a temp name and renamed: a crash leaves no half-converted base, and two runs
+    # converting at once each write their own and the second rename loses harmlessly.
+    tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process converted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_base(spec: str) -> str:
+    """What from_pretrained loads for `--base SPEC`: a local directory for a named base, a `.gguf` file or a
+    model directory; the spec itself for a hub id. One line for anything that cannot be a base."""
+    from gpuwise.plan.bases import NAMED_BASES, named_base_path
+
+    if spec in NAMED_BASES:
+        return str(convert_gguf(named_base_path(spec)))
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return str(convert_gguf(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise GpuwiseError(f"--base {spec}: a directory without config.json is not a model")
+        return str(path)
+    if path.exists():
+        raise GpuwiseError(f"--base {spec}: not a model directory, a .gguf file or a named base")
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise GpuwiseError(f"--base {spec}: no such file or directory")
+    return spec  # a hub id: from_pretrained fetches it where a hub is reachable
