@@ -29,3 +29,18 @@ def pytest_collection_modifyitems(config, items):
 def _private_run_record(tmp_path, monkeypatch):
     # Every test writes its plans, benches and runs to its own record, never the user's.
     monkeypatch.setenv("GPUWISE_DB", str(tmp_path / "runs.sqlite"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_model_cache(tmp_path_factory):
+    # Converted bases (SmolLM2's GGUF -> safetensors, ~40 s) go to one cache for the whole session: converted
+    # once, shared by every test, and never the user's own cache.
+    import os
+
+    before = os.environ.get("GPUWISE_CACHE")
+    os.environ["GPUWISE_CACHE"] = str(tmp_path_factory.mktemp("model-cache"))
+    yield
+    if before is None:
+        os.environ.pop("GPUWISE_CACHE", None)
+    else:
+        os.environ["GPUWISE_CACHE"] = before

@@ -31,9 +31,9 @@ from gpuwise.workloads.serving import ClientError, Job, Limits, ServeContext, Te
 
 PROMPTS = ("this coffee", "my dog", "i ordered")  # continued by a base without a chat template
 DEFAULT_BASE = "smollm2-135m-instruct"
-# Held-out reviews scored before and after: the first 300 of testing_data, as published.md's base figure
-# (1.362 bits per byte): a 135 M model scores ~100 tokens/s here, so all 1,000 would take minutes.
-EVAL_TEXTS = 300
+# Held-out reviews scored before and after: the first 100 of testing_data. SmolLM2-135M scores ~150
+# tokens/s here (fp32, one review of ~190 tokens a row), so 100 take ~2 minutes; all 1,000 would take 20.
+EVAL_TEXTS = 100
 # A LoRA step of SmolLM2-135M on 8 blocks of 128 tokens takes ~9 s on these 2 cores (fp32; bf16 autocast
 # ran 25x slower on CPU, measured): 60 steps are the default run's ~10 minutes.
 DEFAULT_STEPS = 60
@@ -308,11 +308,46 @@ def sample_prompts(tok) -> list[str]:
     return list(PROMPTS)
 
 
-def bits_per_byte(nats: float, blocks: torch.Tensor, tok) -> float:
-    """Nats summed over the predicted tokens of `blocks`, per byte of the text those tokens spell: unlike
-    perplexity, comparable across tokenizers (the first token of a block is not predicted)."""
-    n_bytes = sum(len(tok.decode(b[1:].tolist()).encode("utf-8")) for b in blocks)
-    return nats / math.log(2) / n_bytes
+@torch.no_grad()
+def score_texts(model, tok, samples: list[Sample], device, context: int, batch: int = 8) -> tuple[float, int, int]:
+    """(nats, tokens, bytes) of the held-out texts the model writes: for a chat, the assistant's answer given
+    the request (the request's tokens are not scored, nor its bytes counted); for plain text, every token
+    after the first. Bits per byte, nats / ln 2 / bytes, compare across tokenizers; perplexity does not."""
+    rows = []
+    for ask, text in samples:
+        full = tok(as_text((ask, text), tok), add_special_tokens=False)["input_ids"][:context]
+        if ask is not None and getattr(tok, "chat_template", None):
+            request = [{"role": "user", "content": ask}]
+            start = len(tok.apply_chat_template(request, tokenize=True, add_generation_prompt=True, return_dict=False))
+        else:
+            start = 1
+        rows.append((full, min(start, len(full) - 1)))
+    rows.sort(key=lambda r: len(r[0]))  # batches of like lengths: little padding
+    nats, tokens, n_bytes = 0.0, 0, 0
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    for i in range(0, len(rows), batch):
+        chunk = rows[i : i + batch]
+        width = max(len(ids) for ids, _ in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        for r, (row, _) in enumerate(chunk):
+            ids[r, : len(row)] = torch.tensor(row)
+        # Padded on the right and attention is causal: no real token sees a pad, so no mask is needed, and
+        # without one torch takes its fused causal attention (a mask sent it down the slow path: 2x).
+        logits = model(input_ids=ids.to(device)).logits
+        # position p predicts token p + 1; one fused log-softmax + pick, no second copy of the logits
+        nll = (
+            torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten().to(device), reduction="none"
+            )
+            .view(len(chunk), width - 1)
+            .cpu()
+        )
+        for r, (row, start) in enumerate(chunk):
+            # the scored tokens are start .. len(row) - 1, predicted at positions start - 1 .. len(row) - 2
+            nats += float(nll[r, start - 1 : len(row) - 1].sum())
+            tokens += len(row) - start
+            n_bytes += len(tok.decode(row[start:], skip_special_tokens=True).encode("utf-8"))
+    return nats, tokens, max(n_bytes, 1)
 
 
 def build(cfg, run_dir: Path) -> Training:
@@ -327,7 +362,7 @@ def build(cfg, run_dir: Path) -> Training:
     tok = load_tokenizer(cfg, [text for _, text in train_samples])
     train_texts, test_texts = ([as_text(x, tok) for x in part] for part in (train_samples, test_samples))
     chat = train_texts[0] != train_samples[0][1]
-    train_blocks, test_blocks = pack(train_texts, tok, cfg.block_size), pack(test_texts, tok, cfg.block_size)
+    train_blocks = pack(train_texts, tok, cfg.block_size)
     run_dir.mkdir(parents=True, exist_ok=True)
     base = load_base(cfg, tok, run_dir)
     spec = spec_of(base)
@@ -335,6 +370,7 @@ def build(cfg, run_dir: Path) -> Training:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     prompts = sample_prompts(tok)
+    context = min(getattr(base.config, "max_position_embeddings", 512), 1024)
 
     def make_batch(indices, epoch):
         return {"input_ids": train_blocks[list(indices)]}
@@ -345,18 +381,13 @@ def build(cfg, run_dir: Path) -> Training:
     @torch.no_grad()
     def evaluate(model, device):
         model.eval()
-        nats = 0.0
-        for i in range(0, len(test_blocks), 16):
-            chunk = test_blocks[i : i + 16]
-            # the loss is the mean over the predicted tokens: all but the first of each block
-            nats += loss(model, {"input_ids": chunk.to(device)}).item() * len(chunk) * (chunk.shape[1] - 1)
+        nats, tokens, n_bytes = score_texts(model, tok, test_samples, device, context)
         model.train()
-        predicted = len(test_blocks) * (cfg.block_size - 1)
         raw = model.module if hasattr(model, "module") else model
         return {
-            "bits_per_byte": bits_per_byte(nats, test_blocks, tok),
-            "perplexity": math.exp(nats / predicted),
-            "eval_tokens": int(test_blocks.numel()),
+            "bits_per_byte": nats / math.log(2) / n_bytes,
+            "perplexity": math.exp(nats / tokens),
+            "eval_tokens": tokens,
             "samples": generate(raw, tok, prompts, 40, device, seed=cfg.seed),
         }
 
