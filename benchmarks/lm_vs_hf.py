@@ -24,14 +24,15 @@ import torch
 def hf_trainer(work, steps: int, batch: int, lr: float, out_dir: str) -> float:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    blocks = work.make_batch(list(range(work.train_size)), 0)["input_ids"]
+    every = work.make_batch(list(range(work.train_size)), 0)
+    blocks, labels = every["input_ids"], every["labels"]
 
     class Blocks(torch.utils.data.Dataset):
         def __len__(self):
             return len(blocks)
 
         def __getitem__(self, i):
-            return {"input_ids": blocks[i], "labels": blocks[i]}
+            return {"input_ids": blocks[i], "labels": labels[i]}
 
     times: list[float] = []
 

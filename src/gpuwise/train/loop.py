@@ -142,7 +142,8 @@ def _train(run: Run, console) -> dict | None:
     times, loss_value, t_run = [], float("nan"), time.perf_counter()
     before = None
     if work.eval_before and step == 0:
-        before = work.evaluate(model, fabric.device)
+        with mem.paused():
+            before = work.evaluate(model, fabric.device)
         rec.log(0, **{f"eval/{k}": v for k, v in _scalars(before).items()})
     try:
         while step < total:
@@ -188,7 +189,9 @@ def _train(run: Run, console) -> dict | None:
             if progress:
                 progress[0].update(progress[1], completed=step, loss=loss_value, sps=cfg.batch_size / times[-1])
             if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
-                rec.log(step, **{f"eval/{k}": v for k, v in _scalars(work.evaluate(model, fabric.device)).items()})
+                with mem.paused():
+                    evaluation = work.evaluate(model, fabric.device)
+                rec.log(step, **{f"eval/{k}": v for k, v in _scalars(evaluation).items()})
             stopping = stop.signal is not None
             if world > 1:  # one process's signal stops them all, at the same step
                 flag = torch.tensor(float(stopping), device=fabric.device)

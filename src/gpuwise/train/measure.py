@@ -3,6 +3,7 @@ device's peak, and peak memory (CUDA's allocator, or the process's resident high
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,7 @@ class PeakMemory:
     def __init__(self, accelerator: str, resident_bytes: int):
         self.accelerator, self.resident = accelerator, resident_bytes
         self.method = None
+        self.peak_before_pause = 0
         if accelerator == "cuda":
             torch.cuda.reset_peak_memory_stats()
             self.method = "torch.cuda.max_memory_allocated"
@@ -168,12 +170,28 @@ class PeakMemory:
         except (OSError, KeyError):
             return False
 
-    def read(self) -> int | None:
+    def _now(self) -> int | None:
         if self.accelerator == "cuda":
             return int(torch.cuda.max_memory_allocated())
         if self.method is None:
             return None
         return max(0, self._status("VmHWM") - self.base) + self.resident
+
+    def read(self) -> int | None:
+        now = self._now()
+        return None if now is None else max(now, self.peak_before_pause)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave what runs inside (an evaluation, whose batches are not the training step's) out of the peak."""
+        self.peak_before_pause = self.read() or 0
+        try:
+            yield
+        finally:
+            if self.accelerator == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            elif self.method is not None:
+                self._reset_hwm()
 
 
 def measured_step(workload: str) -> tuple[float, float]:

