@@ -237,3 +237,21 @@ def test_sigterm_writes_a_checkpoint_and_says_how_to_resume(cells, tmp_path):
     saved = list((run / "checkpoints").glob("step-*"))
     assert len(saved) == 1
     shutil.rmtree(run)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's VmHWM")
+def test_what_runs_paused_is_left_out_of_the_training_peak():
+    """An evaluation's batches (SmolLM2's logits alone: 1.6 GB at 8 x 1024 tokens) are not the training
+    step's: the peak counts what ran outside `paused()`, not inside."""
+    from gpuwise.hardware.cpu import retain_freed_memory
+    from gpuwise.train.measure import PeakMemory
+
+    retain_freed_memory()  # as the CLI runs: freed memory kept in the process
+    mem = PeakMemory("cpu", 0)
+    with mem.paused():
+        evaluation = torch.ones(100_000_000)  # 400 MB, touched
+        del evaluation
+    step = torch.ones(25_000_000)  # 100 MB
+    peak = mem.read()
+    del step
+    assert peak is not None and 90e6 < peak < 250e6
