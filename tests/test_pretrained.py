@@ -193,7 +193,11 @@ def test_a_tokenizer_of_another_model_is_one_line_and_writes_nothing(smollm2, tm
 
 
 def test_a_hub_id_with_no_hub_reachable_is_one_line(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as here: no hub; offline mode fails at once, not after retries
+    import huggingface_hub.constants
+
+    # as here: no hub. Offline mode fails at once, not after ~23 s of retries; huggingface_hub reads the
+    # variable when it is imported, so the test sets what it read.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     run = tmp_path / "run"
     data = reviews_jsonl(tmp_path / "r.jsonl")
     argv = ["train", "product-lm", "--base", "HuggingFaceTB/SmolLM2-360M", "--data", str(data), "--run-dir", str(run)]

@@ -66,6 +66,8 @@ def quiet_transformers() -> None:
     # bitsandbytes tries to fetch an optional CPU kernel from the hub at import and warns when it can't;
     # nothing is fetched at run time here, and its built-in CPU path is what we use.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # huggingface_hub logs each retry of an unreachable hub as a warning; the error that follows says it once.
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     import transformers
 
     transformers.logging.set_verbosity_error()
