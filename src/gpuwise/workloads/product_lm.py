@@ -230,7 +230,8 @@ def load_tokenizer(cfg, texts: list[str]):
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(resolve_base(cfg.base))
+        source = resolve_base(cfg.base)  # hashes a GGUF file (~0.1 s for SmolLM2's): once here
+        tok = AutoTokenizer.from_pretrained(source)
     except Exception as e:  # noqa: BLE001 - as for the model
         raise GpuwiseError(f"--base {cfg.base}: cannot load its tokenizer ({first_line(e)})") from None
     if tok.eos_token_id is None:
@@ -238,7 +239,7 @@ def load_tokenizer(cfg, texts: list[str]):
     from transformers import AutoConfig
 
     # A tokenizer from another model indexes past the embedding: an IndexError mid-step, after the run began.
-    embedded = getattr(AutoConfig.from_pretrained(resolve_base(cfg.base)), "vocab_size", None)
+    embedded = getattr(AutoConfig.from_pretrained(source), "vocab_size", None)
     if embedded is not None and len(tok) > embedded:
         raise GpuwiseError(
             f"--base {cfg.base}: its tokenizer has {len(tok)} tokens but the model embeds {embedded}: "
