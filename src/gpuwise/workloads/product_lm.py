@@ -56,7 +56,7 @@ SMALL_LLAMA: dict[str, Any] = dict(
     num_attention_heads=4,
     num_key_value_heads=4,
     tie_word_embeddings=True,
-)  # 768: bnb's CPU 4-bit kernels want x32
+)
 
 
 def quiet_transformers() -> None:
@@ -254,7 +254,9 @@ def keep_4bit_trainable(model) -> None:
     eval mode without gradients (our perplexity-before evaluation), and from then on calls that kernel,
     which has no backward: gradients stop flowing through the frozen base to the earlier adapters.
     Turning the repacking off keeps the differentiable dequantize-and-matmul path (a regression test
-    compares gradients before and after an evaluation)."""
+    compares gradients before and after an evaluation). It also takes a base of any shape: the repacking
+    asserts that every layer's output width is a multiple of 32 (bitsandbytes 0.50), the general path pads.
+    Only CPUs with AVX512-BF16 repack; the test pretends to have one."""
     import bitsandbytes as bnb
 
     for module in model.modules():
