@@ -24,9 +24,10 @@ def raw_loop(work, steps: int, batch: int, lr: float) -> float:
     """The textbook loop on the same workload: what our trainer must not be slower than."""
     from gpuwise.train.loop import step_samples
     from gpuwise.train.setup import lr_lambda
+    from gpuwise.workloads.base import adamw
 
     model = work.model
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=work.defaults.get("weight_decay", 0.01))
+    opt = adamw(model.parameters(), lr, "cpu", work.defaults.get("weight_decay", 0.01))  # the same (fused) AdamW
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps))
     times = []
     for step in range(steps):

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from gpuwise.hardware.devices import bf16_native
+from gpuwise.workloads.base import adamw
 from gpuwise.workloads.registry import get
 
 
@@ -20,7 +21,7 @@ def throughput(name: str, device: torch.device, steps: int, min_time: float = 0.
 
     torch.manual_seed(0)
     model, loss_fn, samples, tokens = get(name).bench_step(device, batch)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = adamw(model.parameters(), 1e-4, device.type)  # as gpuwise train's step
     bf16 = device.type == "cuda" and bf16_native(device.index or 0)  # what `gpuwise train` picks there
 
     def step():

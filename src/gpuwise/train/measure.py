@@ -205,11 +205,12 @@ def measured_step(workload: str) -> tuple[float, float]:
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.flop_counter import FlopCounterMode
 
+    from gpuwise.workloads.base import adamw
     from gpuwise.workloads.registry import get
 
     torch.manual_seed(0)
     model, loss_fn, _, _ = get(workload).bench_step(torch.device("cpu"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = adamw(model.parameters(), 1e-4, "cpu")
 
     def step():
         loss_fn().backward()

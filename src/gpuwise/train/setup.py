@@ -20,7 +20,7 @@ from gpuwise.train import checkpoint, fit, measure
 from gpuwise.train.config import TrainConfig
 from gpuwise.train.records import Recorder, RunClaim
 from gpuwise.train.rng import rng_state, set_rng_state
-from gpuwise.workloads.base import Training
+from gpuwise.workloads.base import Training, adamw
 
 
 def say(fabric, message: str) -> None:
@@ -128,7 +128,8 @@ def build(cfg: TrainConfig, fabric, accelerator: str, precision: str, strategy: 
     # The optimizer is made after setup, because FSDP replaces the parameters by their shards.
     model = fabric.setup_module(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=work.defaults.get("weight_decay", 0.01))
+    decay = work.defaults.get("weight_decay", 0.01)
+    optimizer = adamw(params, cfg.lr, accelerator, decay, sharded=strategy == "fsdp")
     optimizer = fabric.setup_optimizers(optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total))
     return Run(
