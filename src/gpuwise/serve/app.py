@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 from gpuwise.errors import GpuwiseError
 from gpuwise.results import TrainSummary
 from gpuwise.serve.batcher import DynamicBatcher, ServeMetrics
+from gpuwise.serve.protocol import error_body
 from gpuwise.workloads.serving import ClientError, Limits, ServeContext
 
 log = logging.getLogger("gpuwise.serve")
@@ -54,7 +55,9 @@ class Info(BaseModel):
 
 
 def _error(status: int, message: str, **headers) -> JSONResponse:
-    return JSONResponse({"detail": message}, status_code=status, headers=headers or None)
+    """Every error in OpenAI's shape ({"error": {"message", "type", "param", "code"}}), which its client
+    and the chat front-ends parse, with the message also under "detail" as gpuwise always answered."""
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers or None)
 
 
 _BEARER = {"WWW-Authenticate": "Bearer"}
@@ -180,6 +183,8 @@ def create_app(served, settings: Settings, run_id: str, precision: str):
             await batcher.start()
         yield
         await batcher.stop()
+        if hasattr(served, "close"):  # an LLM's engine thread
+            served.close()
         decoder.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(
@@ -190,7 +195,7 @@ def create_app(served, settings: Settings, run_id: str, precision: str):
 
     @app.exception_handler(ClientError)
     async def client_error(_, e: ClientError):
-        return _error(e.status, e.message)
+        return _error(e.status, e.message, **e.headers)
 
     @app.exception_handler(Exception)
     async def fault(_, e: Exception):  # Starlette answers with this, then re-raises to Guard, which logs and counts
@@ -234,7 +239,7 @@ def create_app(served, settings: Settings, run_id: str, precision: str):
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    served.routes(ServeContext(app, limits, answer, decoder, metrics.internal_errors, log))
+    served.routes(ServeContext(app, limits, answer, decoder, metrics.internal_errors, log, metrics.registry))
 
     return Guard(app, settings.api_key, limits, metrics)
 

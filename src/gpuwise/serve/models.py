@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpuwise.errors import loading_model
-from gpuwise.workloads.serving import Limits, Served
+from gpuwise.workloads.serving import CausalLM, Limits, Served
 
 
 def load_served(run_dir: Path, runtime: str, limits: Limits) -> tuple[Served, object]:
@@ -17,4 +17,9 @@ def load_served(run_dir: Path, runtime: str, limits: Limits) -> tuple[Served, ob
 
     cfg = open_finished(run_dir)
     with loading_model(run_dir):
-        return cfg.workload_def().serve(run_dir, cfg, runtime, limits), cfg
+        served = cfg.workload_def().serve(run_dir, cfg, runtime, limits)
+        if isinstance(served, CausalLM):
+            from gpuwise.serve.llm import LLM
+
+            served = LLM(served.model, served.tok, served.name, limits, workload=cfg.workload, about=served.description)
+        return served, cfg

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from gpuwise.workloads.serving import Limits, Served
+    from gpuwise.workloads.serving import CausalLM, Limits, Served
 
 
 @dataclass
@@ -105,8 +105,9 @@ class Workload(ABC):
         """One `predict` result as plain text for the terminal (printed as is: no markup)."""
         return json.dumps(result, ensure_ascii=False)
 
-    def serve(self, run_dir: Path, cfg: Any, runtime: str, limits: Limits) -> Served:
-        """A finished run loaded for serving: its model in memory and its routes."""
+    def serve(self, run_dir: Path, cfg: Any, runtime: str, limits: Limits) -> Served | CausalLM:
+        """A finished run loaded for serving: its model in memory and its routes; or, for a language model,
+        the model and its tokenizer, which the server runs behind the OpenAI API."""
         raise GpuwiseError(f"workload {self.name} has no server")
 
     # --- export -----------------------------------------------------------------------------------

@@ -10,26 +10,21 @@ a from_pretrained-ready ``model/``, so it can serve as the ``--base`` of a LoRA 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import math
 import os
 import shutil
-import threading
 import warnings
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
 import torch
-from fastapi import Request  # at module level: FastAPI resolves the route's annotations here
-from pydantic import BaseModel, Field
 
 from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.workloads.base import BenchStep, Training, Workload, place
 from gpuwise.workloads.pretrained import SCRATCH, resolve_base
-from gpuwise.workloads.serving import ClientError, Job, Limits, ServeContext, Text, device_here, until_done
+from gpuwise.workloads.serving import CausalLM, Limits
 
 PROMPTS = ("this coffee", "my dog", "i ordered")  # continued by a base without a chat template
 DEFAULT_BASE = "smollm2-135m-instruct"
@@ -493,176 +488,6 @@ def predict(run_dir: Path, cfg, inputs: list[str], max_tokens: int = 40, **_) ->
     return [{"prompt": p, "text": t} for p, t in zip(inputs, texts, strict=True)]
 
 
-# --- serving: POST /v1/generate, a prompt in, text out (whole, or streamed as server-sent events) ----------
-
-# A temperature below this samples as greedy: logits / temperature would overflow to inf, sampling to nan.
-GREEDY_BELOW = 1e-3
-MAX_STOP_CHARS = 128  # per stop string: transformers builds a table per stop string x vocabulary (100,000 chars: 4 GB)
-
-
-class GenerateRequest(BaseModel):
-    prompt: Text = Field(min_length=1)
-    max_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.8, ge=0, le=5, allow_inf_nan=False, description="0 (or under 0.001): greedy")
-    top_p: float = Field(0.95, gt=0, le=1, allow_inf_nan=False)
-    stop: list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
-        default_factory=list, max_length=4, description=f"Up to 4 strings of up to {MAX_STOP_CHARS} characters"
-    )
-    stream: bool = Field(False, description='Server-sent events: data: {"text": ...} per piece, then data: [DONE]')
-
-
-class GenerateResponse(BaseModel):
-    text: str
-    tokens: int
-    finish_reason: str
-
-
-class Served:
-    """The fine-tuned model behind /v1/generate, one generation at a time (each already uses every core)."""
-
-    workload, batched = "product-lm", False
-
-    def __init__(self, run_dir: Path, cfg, runtime: str, limits: Limits):
-        if runtime == "onnx":
-            raise GpuwiseError("--runtime onnx does not apply to product-lm: it serves through torch")
-        model, self.tok = load_trained(run_dir, cfg)
-        self.device = device_here()
-        self.model = model.to(self.device).eval()
-        self.model_name = f"{cfg.base or 'small Llama (gpuwise default)'}, {cfg.method}"
-        self.limits = limits
-        self.lock = threading.Lock()
-        self.context = getattr(self.model.config, "max_position_embeddings", 2048)
-
-    def __call__(self, items: list) -> list:
-        raise NotImplementedError("generation is not batched: the routes call generate/stream")
-
-    def _inputs(self, prompt: str, max_tokens: int):
-        ids = self.tok(prompt, return_tensors="pt")["input_ids"].to(self.device)
-        if ids.shape[1] + max_tokens > self.context:
-            raise ClientError(
-                422, f"prompt ({ids.shape[1]} tokens) + max_tokens ({max_tokens}) exceeds the context of {self.context}"
-            )
-        return ids
-
-    def _kwargs(self, ids, max_tokens: int, temperature: float, top_p: float, stop: list[str], job: Job) -> dict:
-        from transformers import StoppingCriteriaList
-
-        kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens)
-        sample = temperature >= GREEDY_BELOW
-        kw |= dict(pad_token_id=self.tok.eos_token_id, do_sample=sample, stopping_criteria=StoppingCriteriaList([job]))
-        if sample:
-            kw |= dict(temperature=temperature, top_p=top_p)
-        if stop:
-            kw |= dict(stop_strings=stop, tokenizer=self.tok)
-        return kw
-
-    @staticmethod
-    def cut(text: str, stop: list[str]) -> tuple[str, bool]:
-        cuts = [text.index(s) for s in stop if s in text]
-        return (text[: min(cuts)], True) if cuts else (text, False)
-
-    def generate(
-        self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: list[str], job: Job
-    ) -> dict | None:
-        """The whole answer, or None when the job was stopped before the model was free."""
-        ids = self._inputs(prompt, max_tokens)
-        if not job.acquire(self.lock):
-            return None
-        try:
-            with torch.inference_mode():
-                out = self.model.generate(**self._kwargs(ids, max_tokens, temperature, top_p, stop, job))
-        finally:
-            self.lock.release()
-        new = out[0, ids.shape[1] :]
-        text, stopped = self.cut(self.tok.decode(new, skip_special_tokens=True), stop)
-        eos = len(new) and int(new[-1]) == self.tok.eos_token_id
-        finish = "stop" if stopped or eos else "length"
-        return {"text": text, "tokens": int(len(new)), "finish_reason": finish}
-
-    def stream(
-        self, prompt: str, max_tokens: int, temperature: float, top_p: float, stop: list[str], job: Job
-    ) -> asyncio.Queue:
-        """Text pieces as they are generated, on an asyncio queue that ends with None. Generation runs in
-        its own thread and hands each piece to the event loop, so a waiting stream holds no thread. The
-        prompt is checked now, so a bad one is a 4xx before the stream starts."""
-        from transformers import TextStreamer
-
-        ids = self._inputs(prompt, max_tokens)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[str | None] = asyncio.Queue()
-
-        def put(item) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop has closed (server shut down): nobody listens
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        class Pieces(TextStreamer):
-            def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
-                if text:
-                    put(text)
-
-        streamer = Pieces(self.tok, skip_prompt=True, skip_special_tokens=True)
-        kwargs = self._kwargs(ids, max_tokens, temperature, top_p, stop, job) | {"streamer": streamer}
-
-        def run():
-            try:
-                if job.acquire(self.lock):
-                    try:
-                        with torch.inference_mode():
-                            self.model.generate(**kwargs)
-                    finally:
-                        self.lock.release()
-            except Exception as e:  # noqa: BLE001 - reported on the stream; the server goes on
-                job.error = e
-            finally:
-                put(None)
-
-        threading.Thread(target=run, daemon=True, name="gpuwise-generate").start()
-        return queue
-
-    def routes(self, ctx: ServeContext) -> None:
-        from fastapi.responses import StreamingResponse
-
-        limits = ctx.limits
-
-        @ctx.app.post("/v1/generate", response_model=GenerateResponse)
-        async def generate(ask: GenerateRequest, request: Request):
-            if ask.max_tokens > limits.max_tokens:
-                raise ClientError(422, f"max_tokens: at most {limits.max_tokens}")
-            if len(ask.prompt) > limits.max_prompt_chars:
-                raise ClientError(413, f"prompt: {len(ask.prompt):,} characters; at most {limits.max_prompt_chars:,}")
-            job = Job(limits.timeout_s)
-            args = (ask.prompt, ask.max_tokens, ask.temperature, ask.top_p, ask.stop, job)
-            if not ask.stream:
-                result = await until_done(
-                    request, asyncio.ensure_future(asyncio.to_thread(self.generate, *args)), job, limits.timeout_s
-                )
-                return GenerateResponse(**result)
-            pieces = self.stream(*args)  # checks the prompt (a 4xx) before the stream starts
-
-            async def events():
-                sent = ""
-                try:  # a client that leaves cancels this generator: the finally stops the model
-                    while (piece := await pieces.get()) is not None:
-                        text, stopped = self.cut(sent + piece, ask.stop)
-                        if len(text) > len(sent):
-                            yield f"data: {json.dumps({'text': text[len(sent) :]})}\n\n"
-                            sent = text
-                        if stopped:
-                            break
-                    if job.error is not None:
-                        ctx.log.error("generation failed: %r", job.error)
-                        ctx.internal_errors.inc()
-                        yield f"data: {json.dumps({'error': 'internal error (logged by the server)'})}\n\n"
-                    elif job.expired:
-                        late = f"stopped at the {limits.timeout_s:g} s request timeout"
-                        yield f"data: {json.dumps({'error': late})}\n\n"
-                    yield "data: [DONE]\n\n"
-                finally:
-                    job.cancel()
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-
 class ProductLM(Workload):
     name = "product-lm"
     summary = "a causal LM fine-tuned on the shop's product reviews (full, LoRA or QLoRA)"
@@ -688,5 +513,8 @@ class ProductLM(Workload):
     def describe(self, r: dict) -> str:
         return f"{r['prompt']} -> {r['text']}"
 
-    def serve(self, run_dir: Path, cfg, runtime: str, limits: Limits) -> Served:
-        return Served(run_dir, cfg, runtime, limits)
+    def serve(self, run_dir: Path, cfg, runtime: str, limits: Limits) -> CausalLM:
+        if runtime == "onnx":
+            raise GpuwiseError("--runtime onnx does not apply to product-lm: it serves through torch")
+        model, tok = load_trained(run_dir, cfg)
+        return CausalLM(model, tok, run_dir.name, f"{cfg.base or 'small Llama (gpuwise default)'}, {cfg.method}")

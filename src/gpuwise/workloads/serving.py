@@ -30,9 +30,9 @@ if TYPE_CHECKING:
 class ClientError(Exception):
     """A request the client got wrong: a 4xx with one clear line, never a 5xx."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.headers = status, message, headers or {}
 
 
 @dataclass
@@ -48,6 +48,8 @@ class Limits:
     timeout_s: float = 30.0
     read_timeout_s: float = 30.0  # a client's time to send its headers, and again its body
     max_connections: int = 256  # open at once; a 503 beyond
+    max_seqs: int = 32  # language models: sequences in the running batch at most
+    max_queue: int = 256  # language models: requests waiting for a slot at most; a 429 beyond
 
 
 def _utf8(text: str) -> str:
@@ -123,6 +125,7 @@ class ServeContext:
     decoder: Executor  # for decoding requests off the event loop (images take seconds)
     internal_errors: Any  # a prometheus Counter: failures the server logged and answered with a 500
     log: logging.Logger
+    registry: Any = None  # the server's prometheus CollectorRegistry, for a workload's own series
 
 
 class Served(Protocol):
@@ -139,6 +142,17 @@ class Served(Protocol):
     def __call__(self, items: list, /) -> list: ...
 
     def routes(self, ctx: ServeContext) -> None: ...
+
+
+@dataclass
+class CausalLM:
+    """What a language-model workload hands the server instead of a `Served`: the model and tokenizer,
+    served through the continuous-batching engine behind the OpenAI API (`gpuwise.serve.llm`)."""
+
+    model: Any
+    tok: Any
+    name: str  # the model id clients send in "model"
+    description: str = ""
 
 
 def device_here() -> str:

@@ -1,0 +1,377 @@
+"""A causal LM behind the OpenAI API (`/v1/models`, `/v1/chat/completions`, `/v1/completions`) and
+gpuwise's own `/v1/generate`, all through one continuous-batching `Engine`.
+
+The LitServe shape: decode (the request -> prompt token ids and sampling parameters), predict (the
+engine, shared by every request), encode (events -> OpenAI's JSON, whole or as server-sent events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import Request  # at module level: FastAPI resolves the routes' annotations here
+from pydantic import BaseModel, Field
+
+from gpuwise.serve import protocol as p
+from gpuwise.serve.engine import (
+    GREEDY_BELOW,
+    Engine,
+    EngineStats,
+    Params,
+    QueueFull,
+    Sequence,
+    kv_budget,
+    kv_bytes_per_token,
+    kv_shape,
+)
+from gpuwise.workloads.serving import ClientError, Limits, ServeContext, Text
+
+RETRY_AFTER_S = 1  # what a 429 tells the client: the queue moves every decode step (tens of ms)
+
+
+class GenerateRequest(BaseModel):
+    """gpuwise's own route, kept for the clients written against it before the OpenAI API."""
+
+    prompt: Text = Field(min_length=1)
+    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.8, ge=0, le=5, allow_inf_nan=False, description="0 (or under 0.001): greedy")
+    top_p: float = Field(0.95, gt=0, le=1, allow_inf_nan=False)
+    stop: list[Annotated[Text, Field(min_length=1, max_length=p.MAX_STOP_CHARS)]] = Field(
+        default_factory=list,
+        max_length=p.MAX_STOP,
+        description=f"Up to 4 strings of up to {p.MAX_STOP_CHARS} characters",
+    )
+    stream: bool = Field(False, description='Server-sent events: data: {"text": ...} per piece, then data: [DONE]')
+
+
+class GenerateResponse(BaseModel):
+    text: str
+    tokens: int
+    finish_reason: str
+
+
+def chat_prompt(tok, messages: list[p.ChatMessage]) -> str:
+    """The model's own chat template with the assistant's turn opened; a plain "role: text" transcript
+    for a model that has none (a base model, or gpuwise's scratch model)."""
+    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
+
+
+class LLM:
+    """One causal LM (with its tokenizer) served under `name`, and the engine that runs it."""
+
+    batched = False
+
+    def __init__(
+        self,
+        model,
+        tok,
+        name: str,
+        limits: Limits,
+        workload: str = "llm",
+        about: str = "",
+    ):
+        import torch
+
+        self.tok, self.limits, self.workload = tok, limits, workload
+        self.model_name = f"{name} ({about})" if about else name
+        self.names = [name]
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = model.to(self.device).eval()
+        self.context = int(getattr(model.config, "max_position_embeddings", None) or 2048)
+        self.created = int(time.time())
+        self.stats = EngineStats()
+        dtype = next(q for q in model.parameters() if q.is_floating_point()).dtype
+        per_token = kv_bytes_per_token(*kv_shape(model.config), dtype)
+        self.kv_budget = kv_budget(_free_bytes(self.device), per_token, self.context, limits.max_seqs)
+        self.engine = Engine(
+            model,
+            tok,
+            max_seqs=limits.max_seqs,
+            kv_budget_tokens=self.kv_budget,
+            max_queue=limits.max_queue,
+            context=self.context,
+            stats=self.stats,
+        )
+        self.kv_bytes_per_token = per_token
+
+    def __call__(self, items: list, /) -> list:
+        raise NotImplementedError("an LLM is not served through the dynamic batcher: its engine batches")
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # --- decode: a request -> token ids ---------------------------------------------------------------
+    def _ids(self, text: str, special: bool) -> list[int]:
+        return self.tok(text, add_special_tokens=special)["input_ids"]
+
+    def _params(self, max_tokens: int | None, prompt_len: int, temperature: float, top_p: float, stop, seed) -> Params:
+        room = self.context - prompt_len
+        if room < 1:
+            raise ClientError(
+                400, f"the prompt holds {prompt_len} tokens; this model's context is {self.context} tokens"
+            )
+        if max_tokens is None:
+            max_tokens = min(room, self.limits.max_tokens)
+        elif max_tokens > self.limits.max_tokens:
+            raise ClientError(400, f"max_tokens: at most {self.limits.max_tokens} on this server")
+        elif prompt_len + max_tokens > self.context:
+            raise ClientError(
+                400,
+                f"this model's context is {self.context} tokens; the prompt ({prompt_len}) plus max_tokens "
+                f"({max_tokens}) asks for {prompt_len + max_tokens}",
+            )
+        return Params(max_tokens, temperature, top_p, list(stop or []), seed)
+
+    def _model(self, name: str) -> None:
+        if name not in self.names:
+            raise ClientError(404, f"model '{name}' not found; this server serves: {', '.join(self.names)}")
+
+    def _check_chars(self, text: str) -> None:
+        if len(text) > self.limits.max_prompt_chars:
+            raise ClientError(413, f"prompt: {len(text):,} characters; at most {self.limits.max_prompt_chars:,}")
+
+    # --- predict: through the engine -------------------------------------------------------------------
+    def _submit(self, ids: list[int], params: Params) -> tuple[Sequence, asyncio.Queue]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[dict] = asyncio.Queue()
+
+        def sink(event: dict) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed (server shut down): nobody listens
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        seq = Sequence(ids, params, sink, deadline=time.monotonic() + self.limits.timeout_s)
+        try:
+            self.engine.submit(seq)
+        except QueueFull as e:
+            raise ClientError(
+                429, f"server busy: {e}; retry in {RETRY_AFTER_S} s", {"Retry-After": str(RETRY_AFTER_S)}
+            ) from None
+        return seq, queue
+
+    async def _events(self, seq: Sequence, queue: asyncio.Queue, request: Request | None) -> AsyncIterator[dict]:
+        """The engine's events for `seq`; a client that leaves cancels it (its slot is free next step)."""
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(queue.get(), 0.05)
+                except TimeoutError:
+                    if request is not None and await request.is_disconnected():
+                        return
+                    continue
+                yield event
+                if "finish" in event:
+                    return
+        finally:
+            seq.cancel()
+
+    async def _whole(self, seq: Sequence, queue: asyncio.Queue, request: Request) -> tuple[str, dict]:
+        text, end = "", dict[str, Any]()
+        async for event in self._events(seq, queue, request):
+            text += event.get("text", "")
+            end = event if "finish" in event else end
+        if not end:
+            raise ClientError(499, "client closed the request")
+        self._raise_for(end)
+        return text, end
+
+    def _raise_for(self, end: dict) -> None:
+        if end["finish"] == "timeout":
+            raise ClientError(504, f"no answer within the {self.limits.timeout_s:g} s request timeout")
+        if end["finish"] == "error":
+            raise RuntimeError(f"generation failed: {end.get('error')}")
+        if end["finish"] == "cancelled":
+            raise ClientError(499, "client closed the request")
+
+    # --- encode: OpenAI's objects ------------------------------------------------------------------------
+    @staticmethod
+    def _usage(end: dict) -> p.Usage:
+        a, b = end.get("prompt_tokens", 0), end.get("completion_tokens", 0)
+        return p.Usage(prompt_tokens=a, completion_tokens=b, total_tokens=a + b)
+
+    def routes(self, ctx: ServeContext) -> None:
+        from fastapi.responses import StreamingResponse
+
+        app, log = ctx.app, ctx.log
+        self._metrics(ctx)
+
+        def sse(obj) -> str:
+            body = obj.model_dump_json(exclude_none=False) if isinstance(obj, BaseModel) else json.dumps(obj)
+            return f"data: {body}\n\n"
+
+        def streaming(gen) -> StreamingResponse:
+            # X-Accel-Buffering: nginx (and proxies that honour it) pass each event on as it comes
+            return StreamingResponse(gen, media_type="text/event-stream", headers={"X-Accel-Buffering": "no"})
+
+        def failed(end: dict) -> str | None:
+            """An error event for a stream that could not finish (OpenAI sends `data: {"error": ...}`)."""
+            if end["finish"] == "timeout":
+                return sse(p.error_body(504, f"stopped at the {self.limits.timeout_s:g} s request timeout"))
+            if end["finish"] == "error":
+                log.error("generation failed: %s", end.get("error"))
+                ctx.internal_errors.inc()
+                return sse(p.error_body(500, "internal error (logged by the server)"))
+            return None
+
+        @app.get("/v1/models", response_model=p.ModelList)
+        async def models() -> p.ModelList:
+            return p.ModelList(data=[p.ModelCard(id=n, created=self.created) for n in self.names])
+
+        @app.get("/v1/models/{name:path}", response_model=p.ModelCard)
+        async def model(name: str) -> p.ModelCard:
+            self._model(name)
+            return p.ModelCard(id=name, created=self.created)
+
+        @app.post("/v1/chat/completions", response_model=p.ChatCompletion)
+        async def chat(ask: p.ChatCompletionRequest, request: Request):
+            self._model(ask.model)
+            text = chat_prompt(self.tok, ask.messages)
+            self._check_chars(text)
+            ids = self._ids(text, special=False)  # the template wrote the special tokens itself
+            params = self._params(ask.limit(), len(ids), ask.temperature, ask.top_p, ask.stops(), ask.seed)
+            seq, queue = self._submit(ids, params)
+            if not ask.stream:
+                out, end = await self._whole(seq, queue, request)
+                choice = p.ChatChoice(message=p.AssistantMessage(content=out), finish_reason=end["finish"])
+                return p.ChatCompletion(model=ask.model, choices=[choice], usage=self._usage(end))
+            head = dict(id=p.new_id("chatcmpl"), created=p.now(), model=ask.model)
+
+            async def events():
+                yield sse(
+                    p.ChatCompletionChunk(**head, choices=[p.ChunkChoice(delta=p.Delta(role="assistant", content=""))])
+                )
+                async for event in self._events(seq, queue, request):
+                    if "text" in event:
+                        yield sse(
+                            p.ChatCompletionChunk(**head, choices=[p.ChunkChoice(delta=p.Delta(content=event["text"]))])
+                        )
+                    elif (error := failed(event)) is not None:
+                        yield error
+                    elif event["finish"] in ("stop", "length"):
+                        yield sse(
+                            p.ChatCompletionChunk(
+                                **head, choices=[p.ChunkChoice(delta=p.Delta(), finish_reason=event["finish"])]
+                            )
+                        )
+                        if ask.usage_wanted():
+                            yield sse(p.ChatCompletionChunk(**head, choices=[], usage=self._usage(event)))
+                yield "data: [DONE]\n\n"
+
+            return streaming(events())
+
+        @app.post("/v1/completions", response_model=p.Completion)
+        async def completions(ask: p.CompletionRequest, request: Request):
+            self._model(ask.model)
+            assert isinstance(ask.prompt, str)  # the validator made a list of one into its string
+            self._check_chars(ask.prompt)
+            ids = self._ids(ask.prompt, special=True)
+            params = self._params(ask.limit(), len(ids), ask.temperature, ask.top_p, ask.stops(), ask.seed)
+            seq, queue = self._submit(ids, params)
+            if not ask.stream:
+                out, end = await self._whole(seq, queue, request)
+                choice = p.CompletionChoice(text=out, finish_reason=end["finish"])
+                return p.Completion(model=ask.model, choices=[choice], usage=self._usage(end))
+            head = dict(id=p.new_id("cmpl"), created=p.now(), model=ask.model)
+
+            async def events():
+                async for event in self._events(seq, queue, request):
+                    if "text" in event:
+                        yield sse(p.Completion(**head, choices=[p.CompletionChoice(text=event["text"])]))
+                    elif (error := failed(event)) is not None:
+                        yield error
+                    elif event["finish"] in ("stop", "length"):
+                        yield sse(
+                            p.Completion(**head, choices=[p.CompletionChoice(text="", finish_reason=event["finish"])])
+                        )
+                        if ask.usage_wanted():
+                            yield sse(p.Completion(**head, choices=[], usage=self._usage(event)))
+                yield "data: [DONE]\n\n"
+
+            return streaming(events())
+
+        @app.post("/v1/generate", response_model=GenerateResponse)
+        async def generate(ask: GenerateRequest, request: Request):
+            if ask.max_tokens > self.limits.max_tokens:
+                raise ClientError(422, f"max_tokens: at most {self.limits.max_tokens}")
+            self._check_chars(ask.prompt)
+            ids = self._ids(ask.prompt, special=True)
+            if len(ids) + ask.max_tokens > self.context:
+                raise ClientError(
+                    422,
+                    f"prompt ({len(ids)} tokens) + max_tokens ({ask.max_tokens}) exceeds the context of {self.context}",
+                )
+            temperature = ask.temperature if ask.temperature >= GREEDY_BELOW else 0.0
+            seq, queue = self._submit(ids, Params(ask.max_tokens, temperature, ask.top_p, ask.stop))
+            if not ask.stream:
+                out, end = await self._whole(seq, queue, request)
+                return GenerateResponse(text=out, tokens=end["completion_tokens"], finish_reason=end["finish"])
+
+            async def events():
+                async for event in self._events(seq, queue, request):
+                    if "text" in event:
+                        yield f"data: {json.dumps({'text': event['text']})}\n\n"
+                    elif event["finish"] == "timeout":
+                        late = f"stopped at the {self.limits.timeout_s:g} s request timeout"
+                        yield f"data: {json.dumps({'error': late})}\n\n"
+                    elif event["finish"] == "error":
+                        log.error("generation failed: %s", event.get("error"))
+                        ctx.internal_errors.inc()
+                        yield f"data: {json.dumps({'error': 'internal error (logged by the server)'})}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return streaming(events())
+
+    def _metrics(self, ctx: ServeContext) -> None:
+        """vLLM's serving series, under gpuwise_ names, in the server's registry."""
+        from prometheus_client import Counter, Gauge, Histogram
+
+        reg, s = ctx.registry, self.stats
+        latency = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        ttft = Histogram("gpuwise_time_to_first_token_seconds", "Time to first token", buckets=latency, registry=reg)
+        itl = Histogram(
+            "gpuwise_inter_token_latency_seconds",
+            "Time between two tokens of one stream",
+            buckets=latency,
+            registry=reg,
+        )
+        e2e = Histogram(
+            "gpuwise_e2e_request_latency_seconds", "Request submitted to last token", buckets=latency, registry=reg
+        )
+        prompt = Counter("gpuwise_prompt_tokens", "Prompt tokens processed", registry=reg)
+        generated = Counter("gpuwise_generation_tokens", "Tokens generated", registry=reg)
+        Gauge("gpuwise_num_requests_running", "Sequences in the running batch", registry=reg).set_function(
+            lambda: s.running
+        )
+        Gauge("gpuwise_num_requests_waiting", "Requests waiting for a slot", registry=reg).set_function(
+            lambda: s.waiting
+        )
+        Gauge(
+            "gpuwise_kv_cache_usage_perc", "Share of the KV budget the running sequences reserve", registry=reg
+        ).set_function(lambda: s.kv_tokens / self.kv_budget)
+
+        def finished(seq: Sequence) -> None:
+            e2e.observe(time.perf_counter() - seq.t_submit)
+            prompt.inc(len(seq.prompt))
+            generated.inc(len(seq.out))
+
+        s.on_first_token, s.on_token, s.on_finish = ttft.observe, itl.observe, finished
+
+
+def _free_bytes(device: str) -> int:
+    """Memory the KV cache may take: on CUDA what is free now less a tenth; on the CPU half of what the
+    system has available (the rest is for activations, the tokenizer and the OS)."""
+    if device == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return int(free * 0.9)
+    from gpuwise.hardware.cpu import meminfo
+
+    return (meminfo("MemAvailable") or 8 << 30) // 2

@@ -1,0 +1,161 @@
+"""The continuous-batching engine on a tiny Llama (fp32, random weights, built from a config): greedy output
+equals transformers' own `generate`, alone, inside a full batch and when requests join mid-way; finished and
+cancelled sequences free their rows; the waiting queue is bounded."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from gpuwise.serve.engine import Engine, Params, QueueFull, Sequence, SlotCache
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gpuwise.workloads.product_lm import train_tokenizer
+
+    words = [
+        "the", "coffee", "tea", "dog", "food", "is",
+        "great", "good", "bad", "tasty", "fresh", "my", "cat", "loves", "this", "and", "it",
+        "was", "not",
+    ]
+    rng = torch.Generator().manual_seed(0)
+    draws = [torch.randint(0, len(words), (12,), generator=rng) for _ in range(200)]
+    texts = [" ".join(words[int(i)] for i in row) for row in draws]
+    tok = train_tokenizer(texts, vocab=300)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=tok.eos_token_id)
+    model = LlamaForCausalLM(config).eval()
+    return model, tok, texts
+
+
+class Client:
+    def __init__(self):
+        self.events, self.done = [], threading.Event()
+
+    def __call__(self, event):
+        self.events.append(event)
+        if "finish" in event:
+            self.done.set()
+
+    @property
+    def end(self) -> dict:
+        return self.events[-1]
+
+
+def submit(engine, tok, prompt: str, max_tokens: int = 24, **params) -> tuple[Sequence, Client]:
+    client = Client()
+    params = Params(max_tokens, temperature=0.0, **params)
+    seq = Sequence(tok(prompt)["input_ids"], params, client, time.monotonic() + 60)
+    engine.submit(seq)
+    return seq, client
+
+
+def reference(model, tok, prompt: str, max_tokens: int = 24) -> list[int]:
+    """transformers' greedy `generate`, up to (not including) the end-of-text token."""
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                             pad_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
+    return out[: out.index(tok.eos_token_id)] if tok.eos_token_id in out else out
+
+
+def engine(model, tok, **kw) -> Engine:
+    return Engine(model, tok, **({"max_seqs": 8, "kv_budget_tokens": 8 * 256, "max_queue": 16, "context": 256} | kw))
+
+
+def test_greedy_equals_generate_alone_in_a_full_batch_and_when_joining_midway(tiny):
+    model, tok, texts = tiny
+    prompts = [" ".join(t.split()[: 2 + i]) for i, t in enumerate(texts[:8])]  # 2 to 9 words: ragged
+    expected = [reference(model, tok, q) for q in prompts]
+    e = engine(model, tok)
+    try:
+        alone = []
+        for q in prompts:
+            seq, c = submit(e, tok, q)
+            assert c.done.wait(30)
+            alone.append(seq.out)
+        assert alone == expected
+        together = [submit(e, tok, q) for q in prompts]  # all eight share every decode step
+        for _, c in together:
+            assert c.done.wait(30)
+        assert [s.out for s, _ in together] == expected
+        first = [submit(e, tok, q, max_tokens=24) for q in prompts[:4]]
+        while len(first[0][0].out) < 5:  # the next four join while the first are mid-answer
+            time.sleep(0.001)
+        later = [submit(e, tok, q) for q in prompts[4:]]
+        for _, c in first + later:
+            assert c.done.wait(30)
+        assert [s.out for s, _ in first + later] == expected
+        assert all(c.end["finish"] in ("stop", "length") for _, c in first + later)
+        streamed = "".join(ev.get("text", "") for ev in later[0][1].events)
+        assert streamed == tok.decode(expected[4], skip_special_tokens=True)
+    finally:
+        e.close()
+    assert not e.running and not e.waiting
+
+
+def test_cancelled_and_finished_sequences_free_their_rows(tiny):
+    model, tok, texts = tiny
+    e = engine(model, tok, max_seqs=2)
+    try:
+        long, c_long = submit(e, tok, texts[0], max_tokens=200, stop=[])
+        short, c_short = submit(e, tok, texts[1], max_tokens=2)
+        assert c_short.done.wait(30) and c_short.end["finish"] in ("length", "stop")
+        waiting, c_wait = submit(e, tok, texts[2], max_tokens=3)  # takes the row the short one left
+        assert c_wait.done.wait(30)
+        long.cancel()
+        assert c_long.done.wait(5) and c_long.end["finish"] == "cancelled"
+        assert c_wait.end["completion_tokens"] == len(waiting.out)
+    finally:
+        e.close()
+
+
+def test_the_waiting_queue_is_bounded(tiny):
+    model, tok, texts = tiny
+    e = engine(model, tok, max_seqs=1, max_queue=2)
+    try:
+        held = [submit(e, tok, texts[0], max_tokens=200)]
+        while not e.running:
+            time.sleep(0.001)
+        held += [submit(e, tok, texts[i], max_tokens=200) for i in (1, 2)]  # one runs, two wait
+        with pytest.raises(QueueFull):
+            submit(e, tok, texts[3])
+        for seq, _ in held:
+            seq.cancel()
+    finally:
+        e.close()
+
+
+def test_stop_strings_end_the_answer_before_them(tiny):
+    model, tok, texts = tiny
+    full = tok.decode(reference(model, tok, texts[5]), skip_special_tokens=True)
+    stop = full[4:7]
+    e = engine(model, tok)
+    try:
+        seq, c = submit(e, tok, texts[5], stop=[stop])
+        assert c.done.wait(30)
+    finally:
+        e.close()
+    streamed = "".join(ev.get("text", "") for ev in c.events)
+    assert streamed == full[: full.index(stop)] and c.end["finish"] == "stop"
+
+
+def test_the_cache_grows_and_keeps_what_it_held(tiny):
+    model, _, _ = tiny
+    cache = SlotCache(model.config, slots=2, dtype=torch.float32, device="cpu", context=100, start=4)
+    cache.bind(0, torch.tensor([[0, 1, 2]]), 3)
+    k = torch.randn(1, 2, 3, 16)
+    cache.update(k, k, 0)
+    cache.reserve(9)
+    assert cache.capacity == 9  # doubling 4 gives 8, too few: exactly what was asked
+    torch.testing.assert_close(cache.k[0][0, :3].transpose(0, 1), k[0])
+    cache.reserve(12)
+    assert cache.capacity == 18  # doubled
+    cache.reserve(1000)
+    assert cache.capacity == 100  # never past the model's context

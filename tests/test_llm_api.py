@@ -1,0 +1,161 @@
+"""The OpenAI API of a served language model, driven by the official `openai` client (sync and async) and by
+the raw calls Open WebUI makes, against a real uvicorn on loopback. The model is product-lm's small scratch
+Llama (one training step; fp32), so the answers are nonsense but greedy ones are reproducible."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from serving import Server, trained
+
+MODEL = "product-lm"  # the run directory's name, which the server gives as the model id
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("llm")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GPUWISE_DB", str(tmp / "runs.sqlite"))
+        return trained(tmp, "product-lm")
+
+
+def client(c: httpx.Client, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{c.base_url}/v1", api_key=key, max_retries=0)
+
+
+def test_models_chat_and_completions_through_the_official_client(run):
+    with Server(run, limits={"max_tokens": 64}) as c:
+        oa = client(c)
+        assert [m.id for m in oa.models.list().data] == [MODEL]
+        chat = oa.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Review this coffee"}], max_tokens=12, temperature=0
+        )
+        answer = chat.choices[0]
+        assert answer.message.role == "assistant" and answer.finish_reason in ("stop", "length")
+        assert chat.usage.completion_tokens <= 12 and chat.usage.prompt_tokens > 0
+        assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+
+        stream = oa.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Review this coffee"}], max_tokens=12, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == answer.message.content
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == answer.finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+        text = oa.completions.create(model=MODEL, prompt="This coffee", max_tokens=10, temperature=0)
+        assert text.choices[0].finish_reason == "length" or text.usage.completion_tokens < 10
+        pieces = oa.completions.create(model=MODEL, prompt="This coffee", max_tokens=10, temperature=0, stream=True)
+        assert "".join(p.choices[0].text for p in pieces if p.choices) == text.choices[0].text
+        if len(text.choices[0].text) > 3:
+            stop = text.choices[0].text[2:4]
+            cut = oa.completions.create(model=MODEL, prompt="This coffee", max_tokens=10, temperature=0, stop=stop)
+            full = text.choices[0].text
+            assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+        seeded = [oa.completions.create(model=MODEL, prompt="My dog", max_tokens=8, temperature=1.0, seed=7)
+                  for _ in range(2)]
+        assert seeded[0].choices[0].text == seeded[1].choices[0].text
+
+
+def test_each_error_is_openai_shaped(run):
+    with Server(run, api_key="k3y", limits={"max_tokens": 64}) as c:
+        oa = client(c, "k3y")
+        with pytest.raises(openai.AuthenticationError):
+            client(c, "wrong").models.list()
+        with pytest.raises(openai.NotFoundError, match="model 'gpt-4o' not found; this server serves: product-lm"):
+            oa.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(openai.UnprocessableEntityError, match="only n=1"):
+            oa.completions.create(model=MODEL, prompt="x", n=2)
+        with pytest.raises(openai.BadRequestError, match="at most 64 on this server"):
+            oa.completions.create(model=MODEL, prompt="x", max_tokens=65)
+        with pytest.raises(openai.BadRequestError, match="context is 512 tokens"):
+            oa.completions.create(model=MODEL, prompt="coffee " * 600, max_tokens=1)
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 9999},
+                   headers={"Authorization": "Bearer k3y"})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["type"] == "invalid_request_error" and set(error) == {
+            "message", "type", "param", "code"}
+
+
+def test_the_open_webui_call_pattern(run):
+    """Open WebUI lists the models with its Bearer key, then streams chats with fields of its own."""
+    with Server(run, api_key="sk-webui") as c:
+        auth = {"Authorization": "Bearer sk-webui"}
+        assert c.get("/v1/models").status_code == 401
+        models = c.get("/v1/models", headers=auth).json()
+        assert models["object"] == "list" and models["data"][0]["object"] == "model" and "created" in models["data"][0]
+        body = {"model": MODEL, "stream": True, "messages": [{"role": "system", "content": "Be brief."},
+                                                             {"role": "user", "content": "Hi"}],
+                "metadata": {"chat_id": "x"}, "frequency_penalty": 0, "logit_bias": {}, "max_tokens": 6,
+                "stream_options": {"include_usage": True}, "params": {}, "tool_ids": None}
+        with c.stream("POST", "/v1/chat/completions", json=body, headers=auth) as s:
+            assert s.status_code == 200 and s.headers["content-type"].startswith("text/event-stream")
+            assert s.headers["x-accel-buffering"] == "no"
+            lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line[6:]) for line in lines[:-1]]
+        assert all(ch["object"] == "chat.completion.chunk" for ch in chunks)
+        assert chunks[-1]["usage"]["total_tokens"] > 0
+
+
+def test_a_disconnect_mid_stream_frees_the_slot_and_a_full_queue_is_a_429(run):
+    with Server(run, limits={"max_tokens": 500, "max_seqs": 1, "max_queue": 1}) as c:
+        ask = {"model": MODEL, "prompt": "This coffee", "max_tokens": 500, "temperature": 0, "stream": True}
+        with c.stream("POST", "/v1/completions", json=ask) as s:
+            next(line for line in s.iter_lines() if line.startswith("data: "))
+        deadline = time.time() + 5
+        while "gpuwise_num_requests_running 0.0" not in c.get("/metrics").text:
+            assert time.time() < deadline, "the dropped stream still holds its slot"
+            time.sleep(0.02)
+
+        async def crowd():
+            oa = openai.AsyncOpenAI(base_url=f"{c.base_url}/v1", api_key="x", max_retries=0)
+            calls = [oa.completions.create(model=MODEL, prompt="x", max_tokens=300, temperature=0) for _ in range(4)]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        results = asyncio.run(crowd())  # one runs, one waits, the others are turned away
+        refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+        assert len(refused) >= 1 and refused[0].response.headers["retry-after"] == "1"
+        assert all(not isinstance(r, Exception) or isinstance(r, openai.RateLimitError) for r in results), results
+
+
+def test_greedy_answers_are_the_same_alone_and_in_a_crowd_with_no_5xx(run):
+    prompts = [f"My {w} is" for w in ("dog", "cat", "tea", "coffee", "food", "order", "box", "bag")]
+    with Server(run, limits={"max_tokens": 16}) as c:
+        oa = client(c)
+        alone = [oa.completions.create(model=MODEL, prompt=q, max_tokens=16, temperature=0).choices[0].text
+                 for q in prompts]
+
+        async def load(n: int):
+            oa = openai.AsyncOpenAI(base_url=f"{c.base_url}/v1", api_key="x", max_retries=0)
+            gate = asyncio.Semaphore(32)
+
+            async def one(i):
+                async with gate:
+                    r = await oa.chat.completions.create(
+                        model=MODEL, messages=[{"role": "user", "content": prompts[i % 8]}], max_tokens=4,
+                        temperature=0.7, stream=bool(i % 2))
+                    if i % 2:
+                        return [ch async for ch in r]
+                    return r
+
+            async def greedy(q):
+                r = await oa.completions.create(model=MODEL, prompt=q, max_tokens=16, temperature=0)
+                return r.choices[0].text
+
+            crowd = asyncio.gather(*(one(i) for i in range(n)))
+            await asyncio.sleep(0.2)  # the greedy ones join a batch that is already full
+            return await asyncio.gather(crowd, asyncio.gather(*map(greedy, prompts)))
+
+        answers, crowded = asyncio.run(load(200))
+        assert crowded == alone
+        assert len(answers) == 200
+        metrics = c.get("/metrics").text
+        assert 'status="5' not in metrics and "gpuwise_internal_errors_total 0.0" in metrics
+        assert "gpuwise_time_to_first_token_seconds_count" in metrics
