@@ -25,18 +25,22 @@ def trained(tmp: Path, workload: str) -> Path:
 
 
 class Server:
-    """uvicorn in a thread, on a free loopback port, serving one run."""
+    """uvicorn in a thread, on a free loopback port, serving one run, or a model given directly."""
 
-    def __init__(self, run: Path, **settings):
+    def __init__(self, run: Path | str, **settings):
         import uvicorn
 
         from gpuwise.serve.app import Settings, create_app, server_config
-        from gpuwise.serve.models import load_served
+        from gpuwise.serve.models import is_run, load_model, load_served
         from gpuwise.workloads.serving import Limits
 
         limits = Limits(**settings.pop("limits", {}))
-        served, _ = load_served(run, settings.get("runtime", "torch"), limits)
-        app = create_app(served, Settings(str(run), limits=limits, **settings), run_id=run.name, precision="fp32")
+        if is_run(Path(run)):
+            self.served, _ = load_served(Path(run), settings.get("runtime", "torch"), limits)
+        else:
+            self.served = load_model(str(run), limits)
+        app = create_app(self.served, Settings(str(run), limits=limits, **settings), run_id=Path(run).name,
+                         precision="fp32")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]

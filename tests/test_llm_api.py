@@ -159,3 +159,90 @@ def test_greedy_answers_are_the_same_alone_and_in_a_crowd_with_no_5xx(run):
         metrics = c.get("/metrics").text
         assert 'status="5' not in metrics and "gpuwise_internal_errors_total 0.0" in metrics
         assert "gpuwise_time_to_first_token_seconds_count" in metrics
+
+
+# --- models given directly: a named base, a model directory ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Llama saved as a Hugging Face model directory, its tokenizer with a chat template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gpuwise.workloads.product_lm import train_tokenizer
+
+    path = tmp_path_factory.mktemp("models") / "tiny-chat"
+    tok = train_tokenizer(["the coffee is good", "my dog likes it", "tea was bad"] * 20, vocab=200)
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_a_model_directory_is_served_with_its_chat_template_and_its_plan(model_dir):
+    server = Server(model_dir, limits={"max_tokens": 8}, cors_origins=["http://chat.example"], api_key="k")
+    with server as c:
+        llm, oa = server.served, client(c, "k")
+        assert [m.id for m in oa.models.list().data] == ["tiny-chat"]
+        r = oa.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        templated = llm.tok("<user>hi\n<assistant>", add_special_tokens=False)["input_ids"]
+        assert r.usage.prompt_tokens == len(templated)  # the model's own template, not the plain fallback
+        preflight = c.options("/v1/chat/completions", headers={  # a browser asks before it sends the key
+            "Origin": "http://chat.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "http://chat.example"
+    # the KV cache the engine allocates is what `gpuwise plan` counts: 2 x 2 layers x 1 KV head x 16 x 4 bytes
+    assert llm.engine.cache.bytes_per_token() == llm.planned_kv_bytes_per_token() == 256
+    assert "budget" in llm.plan() and "KiB per token" in llm.plan()
+
+
+def test_the_named_base_answers_a_chat(capsys):
+    """SmolLM2-135M-Instruct (converted once per session), served by name, greedy: a real model's chat
+    template, end-of-turn token and tokenizer, through the official client."""
+    with Server("smollm2-135m-instruct", limits={"max_tokens": 24}) as c:
+        r = client(c).chat.completions.create(
+            model="smollm2-135m-instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24, temperature=0)
+    answer = r.choices[0].message.content
+    assert "Paris" in answer, answer
+    assert "<|im_end|>" not in answer and "<|im_start|>" not in answer
+
+
+@pytest.mark.parametrize("ref, needle", [
+    ("/nonexistent/model", "no such run directory or model file"),
+    ("EMPTY", "a directory without config.json is not a model"),
+])
+def test_serving_what_is_not_a_model_is_one_line(capsys, tmp_path, ref, needle):
+    import socket
+
+    from gpuwise.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    ref = str(tmp_path) if ref == "EMPTY" else ref
+    assert main(["serve", ref, "--port", port]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
+
+
+def test_chat_in_the_terminal_locally_and_against_a_server(capsys, monkeypatch, run, model_dir):
+    import io
+
+    from gpuwise.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there\n\n"))
+    assert main(["chat", str(model_dir), "--max-tokens", "4", "--temperature", "0"]) == 0
+    local = capsys.readouterr()
+    assert "chatting with tiny-chat" in local.err and local.out.count("\n") == 1
+    with Server(run, api_key="k") as c:
+        monkeypatch.setattr("sys.stdin", io.StringIO("hello\nagain\n"))
+        assert main(["chat", str(c.base_url), "--api-key", "k", "--max-tokens", "3", "--temperature", "0"]) == 0
+        remote = capsys.readouterr()
+        assert "chatting with product-lm" in remote.err and remote.out.count("\n") == 2
+        assert main(["chat", str(c.base_url), "--api-key", "wrong"]) == 2
+        assert "answered 401" in capsys.readouterr().err

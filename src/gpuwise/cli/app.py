@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from gpuwise import __version__
-from gpuwise.cli import bench, export, hardware, plan, report, runs, schema, serve, train
+from gpuwise.cli import bench, chat, export, hardware, plan, report, runs, schema, serve, train
 from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.hardware.cpu import retain_freed_memory
 
@@ -59,6 +59,7 @@ app.command(epilog=train.EPILOG)(train.train)
 app.command()(train.predict)
 app.command()(bench.bench)
 app.command()(serve.serve)
+app.command()(chat.chat)
 app.command(epilog=export.EPILOG)(export.export)
 app.add_typer(runs.app, name="runs")
 app.command()(report.report)

@@ -35,7 +35,14 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def serve(
-    run_dir: Annotated[Path, typer.Argument(help="A finished `gpuwise train` run.")],
+    run_dir: Annotated[
+        Path,
+        typer.Argument(
+            metavar="RUN_OR_MODEL",
+            help="A finished `gpuwise train` run, or a language model: a named base (smollm2-135m-instruct), "
+            "a .gguf file, a model directory or a hub id, served behind the OpenAI API.",
+        ),
+    ],
     host: Annotated[str, typer.Option(help="Address to bind; anything but loopback needs an API key.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
     max_batch: Annotated[
@@ -60,16 +67,35 @@ def serve(
     max_body_mb: Annotated[float, typer.Option(min=0.001, max=4096, help="Largest request body.")] = 16.0,
     max_k: Annotated[int, typer.Option(min=1, max=1_000_000, help="Ranking workloads: largest k.")] = 100,
     max_tokens: Annotated[int, typer.Option(min=1, max=1_000_000, help="Language models: largest max_tokens.")] = 512,
+    max_seqs: Annotated[
+        int, typer.Option(min=1, max=4096, help="Language models: sequences generated together at most.")
+    ] = 32,
+    max_queue: Annotated[
+        int, typer.Option(min=0, max=1_000_000, help="Language models: requests waiting at most; a 429 beyond.")
+    ] = 256,
+    dtype: Annotated[
+        str, typer.Option(help="Language models: auto (bf16 on GPUs that compute it, else fp32), fp32, bf16, fp16.")
+    ] = "auto",
+    cors_origin: Annotated[
+        list[str] | None,
+        typer.Option(help="A browser origin allowed to call the API (repeatable; * for any)."),
+    ] = None,
     grace: Annotated[
         float, typer.Option(min=0, max=86400, help="Seconds in-flight requests get after SIGTERM.")
     ] = 30.0,
 ):
     """Serve a trained run over HTTP: its workload's route (/v1/predict for images, /v1/recommend for
-    rankings, /v1/generate for text...), with /health, /v1/info, /metrics and the OpenAPI docs at /docs."""
+    rankings), with /health, /v1/info, /metrics and the OpenAPI docs at /docs. A language model (a
+    product-lm run, or a model given directly) gets the OpenAI API: /v1/models, /v1/chat/completions,
+    /v1/completions, with continuous batching.
+
+    Example: gpuwise serve smollm2-135m-instruct, then point the openai SDK or Open WebUI at
+    http://127.0.0.1:8000/v1"""
     import uvicorn
 
     from gpuwise.serve.app import Settings, create_app, server_config
-    from gpuwise.serve.models import Limits, load_served
+    from gpuwise.serve.llm import LLM
+    from gpuwise.serve.models import Limits, is_run, load_model, load_served
 
     floats = (
         ("--timeout", timeout),
@@ -81,14 +107,14 @@ def serve(
     for flag, value in floats:
         if math.isnan(value):  # click's range check lets nan through (every comparison with it is false)
             raise GpuwiseError(f"{flag} must be a number, not nan")
+    if dtype not in ("auto", "fp32", "bf16", "fp16"):
+        raise GpuwiseError(f"--dtype {dtype}: choose auto, fp32, bf16 or fp16")
     if runtime not in ("torch", "onnx"):
         raise GpuwiseError(f"--runtime {runtime}: choose torch or onnx")
     if not is_loopback(host) and not api_key:
         raise GpuwiseError(f"--host {host} exposes the model beyond this machine: set --api-key or GPUWISE_API_KEY")
     if api_key is not None and (not api_key.strip() or any(ord(c) < 32 or ord(c) == 127 for c in api_key)):
         raise GpuwiseError("--api-key: empty, or holds control characters that no HTTP header can carry")
-    if not run_dir.is_dir():
-        raise GpuwiseError(f"{run_dir}: no such run directory")
     _check_port_free(host, port)
     limits = Limits(
         max_body_bytes=int(max_body_mb * 2**20),
@@ -97,14 +123,30 @@ def serve(
         timeout_s=timeout,
         read_timeout_s=read_timeout,
         max_connections=max_connections,
+        max_seqs=max_seqs,
+        max_queue=max_queue,
     )
-    served, _ = load_served(run_dir, runtime, limits)
-    settings = Settings(str(run_dir), runtime, max_batch, max_wait_ms, api_key, limits)
-    asgi = create_app(served, settings, run_id=run_dir.name, precision="fp32")  # served unquantized, no autocast
-    console.print(
-        f"serving {run_dir} ({served.workload}, {runtime} on {served.device}) at http://{host}:{port}"
-        f" · docs at /docs · batches of up to {max_batch}, waiting up to {max_wait_ms:g} ms"
-    )
+    if is_run(run_dir):
+        served, _ = load_served(run_dir, runtime, limits, dtype)
+    else:
+        if runtime != "torch":
+            raise GpuwiseError(
+                "--runtime onnx applies to trained image and ranking runs; a language model runs on torch"
+            )
+        served = load_model(str(run_dir), limits, dtype=dtype)
+    settings = Settings(str(run_dir), runtime, max_batch, max_wait_ms, api_key, limits, list(cors_origin or []))
+    precision = served.precision if isinstance(served, LLM) else "fp32"  # image and ranking runs: fp32
+    asgi = create_app(served, settings, run_id=run_dir.name, precision=precision)
+    if isinstance(served, LLM):
+        console.print(
+            f"serving {served.model_name} on {served.device} at http://{host}:{port}/v1 (OpenAI API: model "
+            f"{served.names[0]!r}) · docs at /docs\n{served.plan()}"
+        )
+    else:
+        console.print(
+            f"serving {run_dir} ({served.workload}, {runtime} on {served.device}) at http://{host}:{port}"
+            f" · docs at /docs · batches of up to {max_batch}, waiting up to {max_wait_ms:g} ms"
+        )
     # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish (up to
     # --grace seconds), then runs the app's shutdown.
     uvicorn.Server(server_config(asgi, host, port, limits, grace)).run()

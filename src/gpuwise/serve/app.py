@@ -35,6 +35,7 @@ class Settings:
     max_wait_ms: float = 5.0
     api_key: str | None = None
     limits: Limits = field(default_factory=Limits)
+    cors_origins: list[str] = field(default_factory=list)  # browser origins allowed to call the API
 
     def __post_init__(self):
         self.limits = self.limits or Limits()  # an explicit None still means the defaults
@@ -73,8 +74,8 @@ class Guard:
     client's disconnect from the routes): the API key, the body's size (counted as it arrives, a wrong or
     absent Content-Length too) and its read time, and the request metrics, a 500 included."""
 
-    def __init__(self, app, key: str | None, limits: Limits, metrics: ServeMetrics):
-        self.app, self.limits, self.metrics = app, limits, metrics
+    def __init__(self, app, key: str | None, limits: Limits, metrics: ServeMetrics, cors: bool = False):
+        self.app, self.limits, self.metrics, self.cors = app, limits, metrics, cors
         # Compared as UTF-8 bytes, as the client sent them: HTTP headers are bytes, and decoding them
         # (Starlette takes latin-1) would never match a non-ASCII key.
         self.key = key.encode("utf-8") if key else None
@@ -100,7 +101,9 @@ class Guard:
             status = code
             await _error(code, message, **headers)(scope, receive, send)
 
-        if self.key is not None and not self._authorized(scope["headers"]):
+        # A browser's CORS preflight (OPTIONS) carries no key by design; the CORS middleware answers it.
+        preflight = self.cors and scope.get("method") == "OPTIONS"
+        if self.key is not None and not preflight and not self._authorized(scope["headers"]):
             await reply(401, "missing or wrong API key (X-API-Key or Authorization: Bearer)", **_BEARER)
             self.metrics.requests.labels("any", "401").inc()
             return
@@ -240,8 +243,13 @@ def create_app(served, settings: Settings, run_id: str, precision: str):
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     served.routes(ServeContext(app, limits, answer, decoder, metrics.internal_errors, log, metrics.registry))
+    if settings.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
 
-    return Guard(app, settings.api_key, limits, metrics)
+        app.add_middleware(
+            CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"], allow_headers=["*"]
+        )
+    return Guard(app, settings.api_key, limits, metrics, cors=bool(settings.cors_origins))
 
 
 def _protocol_with_header_deadline(read_timeout_s: float):

@@ -77,19 +77,25 @@ class LLM:
         limits: Limits,
         workload: str = "llm",
         about: str = "",
+        dtype: str = "auto",
     ):
         import torch
+
+        from gpuwise.hardware.devices import bf16_native
 
         self.tok, self.limits, self.workload = tok, limits, workload
         self.model_name = f"{name} ({about})" if about else name
         self.names = [name]
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = model.to(self.device).eval()
+        if dtype == "auto":  # bf16 where the hardware computes it; fp32 elsewhere (emulated bf16 is slower)
+            dtype = "bf16" if self.device == "cuda" and bf16_native() else "fp32"
+        self.precision = dtype
+        torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        model = model.to(self.device, torch_dtype).eval()
         self.context = int(getattr(model.config, "max_position_embeddings", None) or 2048)
         self.created = int(time.time())
         self.stats = EngineStats()
-        dtype = next(q for q in model.parameters() if q.is_floating_point()).dtype
-        per_token = kv_bytes_per_token(*kv_shape(model.config), dtype)
+        per_token = kv_bytes_per_token(*kv_shape(model.config), torch_dtype)
         self.kv_budget = kv_budget(_free_bytes(self.device), per_token, self.context, limits.max_seqs)
         self.engine = Engine(
             model,
@@ -104,6 +110,40 @@ class LLM:
 
     def __call__(self, items: list, /) -> list:
         raise NotImplementedError("an LLM is not served through the dynamic batcher: its engine batches")
+
+    def _plan_request(self):
+        from gpuwise.plan.request import PlanRequest
+        from gpuwise.workloads.product_lm import spec_of
+
+        precision = "bf16" if self.precision == "fp16" else self.precision  # the planner's 2-byte name
+        return (
+            precision,
+            spec_of(self.engine.model),
+            PlanRequest(task="inference", batch=1, seq=1, gen=0, precision=precision),
+        )
+
+    def planned_kv_bytes_per_token(self) -> float:
+        from gpuwise.plan.memory import kv_cache_bytes
+        from gpuwise.plan.request import Layout
+
+        _, spec, one = self._plan_request()
+        return kv_cache_bytes(spec, one, Layout())
+
+    def plan(self) -> str:
+        """What `gpuwise plan` counts for this model here, and so how many sequences the engine admits."""
+        from gpuwise.plan.memory import BYTES, kv_cache_bytes, weight_bytes
+        from gpuwise.plan.request import Layout
+
+        precision, spec, one = self._plan_request()
+        per_token = kv_cache_bytes(spec, one, Layout())
+        weights = weight_bytes(spec, one)
+        full = self.kv_budget // self.context
+        return (
+            f"plan ({precision}, gpuwise plan's formulas): weights {weights / 1e9:.2f} GB, KV cache "
+            f"{per_token / 1024:.1f} KiB per token ({BYTES[precision]} bytes x 2 x layers x KV heads x head dim); "
+            f"budget {self.kv_budget:,} tokens: up to {self.engine.max_seqs} sequences at once, "
+            f"{full:,} of them at the full context of {self.context:,}"
+        )
 
     def close(self) -> None:
         self.engine.close()

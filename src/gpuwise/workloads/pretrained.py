@@ -73,7 +73,7 @@ def convert_gguf(path: Path) -> Path:
     return target
 
 
-def resolve_base(spec: str) -> str:
+def resolve_base(spec: str, flag: str = "--base") -> str:
     """What from_pretrained loads for `--base SPEC`: a local directory for a named base, a `.gguf` file or a
     model directory; the spec itself for a hub id. One line for anything that cannot be a base."""
     from gpuwise.plan.bases import NAMED_BASES, named_base_path
@@ -85,10 +85,10 @@ def resolve_base(spec: str) -> str:
         return str(convert_gguf(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise GpuwiseError(f"--base {spec}: a directory without config.json is not a model")
+            raise GpuwiseError(f"{flag} {spec}: a directory without config.json is not a model")
         return str(path)
     if path.exists():
-        raise GpuwiseError(f"--base {spec}: not a model directory, a .gguf file or a named base")
+        raise GpuwiseError(f"{flag} {spec}: not a model directory, a .gguf file or a named base")
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
-        raise GpuwiseError(f"--base {spec}: no such file or directory")
+        raise GpuwiseError(f"{flag} {spec}: no such file or directory")
     return spec  # a hub id: from_pretrained fetches it where a hub is reachable

@@ -1,0 +1,192 @@
+"""An LLM behind the OpenAI API under load: `gpuwise serve` against `transformers serve` (with and without its
+continuous batching), SmolLM2-135M-Instruct, the official `openai` client as the load generator.
+
+Run: .venv/bin/python benchmarks/llm_serve_load.py [--dtypes fp32,bf16] [--servers gpuwise,hf,hf-cb]
+
+Each server is a fresh process on loopback, given the same converted model directory and dtype. After one
+warm-up request, each concurrency level (1, 8, 32) sends a fixed number of streaming chat requests (8 fixed
+prompts in turn, max_tokens 64, temperature 0) through `AsyncOpenAI`, at most `concurrency` at a time.
+Per level: output tokens/s (completion tokens of all requests / wall time), time to first token p50 and
+p99, and time per output token (after the first) p50. Each figure is also shown against this machine's
+bound, measured in the same run: at concurrency 1, decoding reads every weight once per token, so the
+bound is memory bandwidth (STREAM copy) / weight bytes; at 32, the bound is the measured matmul rate /
+(2 x parameters) FLOPs per token.
+
+bf16 is skipped on a CPU without native bf16 (AVX512-BF16 or AMX): emulated, it runs 5-50x slower than
+fp32 here and says nothing about either server (pass --dtypes fp32,bf16 to run it anyway).
+Goals (issue #12): at 32, >= 2x the peer's continuous-batching tokens/s with a lower TTFT p50; >= 3x
+gpuwise's own concurrency-1 throughput; at 1, at least the peer's tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+PROMPTS = [
+    "Write a short review of a dark roast coffee.",
+    "What is a GPU good for?",
+    "Describe green tea in two sentences.",
+    "Give me three tips for storing coffee beans.",
+    "Why do dogs like peanut butter?",
+    "Write a haiku about breakfast.",
+    "What makes a good product review?",
+    "Explain what a recommender system does.",
+]
+LEVELS = {1: 4, 8: 16, 32: 32}  # concurrency -> requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(kind: str, model_dir: str, dtype: str, log: Path) -> tuple[subprocess.Popen, str, str]:
+    """(process, base URL, model id) of a fresh server."""
+    port = free_port()
+    if kind == "gpuwise":
+        cmd = [sys.executable, "-m", "gpuwise", "serve", model_dir, "--port", str(port), "--dtype", dtype,
+               "--max-tokens", "512", "--max-seqs", "32"]
+        model = Path(model_dir).name
+    else:
+        exe = str(Path(sys.executable).with_name("transformers"))
+        cmd = [exe, "serve", model_dir, "--port", str(port), "--host", "127.0.0.1", "--device", "cpu",
+               "--dtype", {"fp32": "float32", "bf16": "bfloat16"}[dtype]]
+        cmd += ["--continuous-batching"] if kind == "hf-cb" else []
+        model = model_dir
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, GPUWISE_DB=str(log.with_suffix(".sqlite"))))
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{kind} exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/models", timeout=5).status_code == 200:
+                return proc, url, model
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"{kind} did not start: {log.read_text()[-2000:]}")
+
+
+async def one(client, model: str, prompt: str) -> dict:
+    t0 = time.perf_counter()
+    first, tokens, chunks = None, None, 0
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=64, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            chunks += 1
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    tokens = tokens if tokens is not None else chunks  # a server that sends no usage: one token a chunk
+    return {"ttft": (first or end) - t0, "e2e": end - t0, "tokens": tokens}
+
+
+async def level(url: str, model: str, concurrency: int, requests: int) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(i: int) -> dict:
+        async with gate:
+            return await one(client, model, PROMPTS[i % len(PROMPTS)])
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(gated(i) for i in range(requests)))
+    wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
+    ttft = np.array([r["ttft"] for r in results])
+    return {
+        "tokens_per_s": tokens / wall,
+        "ttft_p50": float(np.percentile(ttft, 50)),
+        "ttft_p99": float(np.percentile(ttft, 99)),
+        "tpot_p50": float(np.median(tpot)) if tpot else float("nan"),
+        "tokens": tokens,
+    }
+
+
+def bounds(params: int, dtype: str) -> dict[int, float]:
+    """Tokens/s this machine allows: memory-bound at batch 1, compute-bound at 32 (measured now)."""
+    import torch
+
+    from gpuwise.bench.micro import bandwidth, matmul
+
+    size = {"fp32": 4, "bf16": 2}[dtype]
+    copy = bandwidth(torch.device("cpu"), 256 << 20, 1.0)["copy_gbs"] * 1e9
+    flops = matmul(torch.device("cpu"), dtype, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], 1024, 1.0)
+    return {1: copy / (params * size), 8: float("nan"), 32: flops["tflops"] * 1e12 / (2 * params)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", default=None, help="fp32,bf16 (default: fp32, plus bf16 where it is native)")
+    ap.add_argument("--servers", default="gpuwise,hf,hf-cb")
+    args = ap.parse_args()
+
+    from gpuwise.hardware.cpu import detect_cpu
+    from gpuwise.workloads.pretrained import resolve_base
+
+    model_dir = resolve_base("smollm2-135m-instruct")
+    isa = detect_cpu().isa
+    native_bf16 = any(f in isa for f in ("avx512_bf16", "amx_bf16"))
+    dtypes = args.dtypes.split(",") if args.dtypes else ["fp32"] + (["bf16"] if native_bf16 else [])
+    params = 134_515_008  # SmolLM2-135M (the GGUF header; `gpuwise plan --model smollm2-135m-instruct`)
+    names = {"gpuwise": "gpuwise serve", "hf": "transformers serve", "hf-cb": "transformers serve --cb"}
+    logs = Path(tempfile.mkdtemp())
+    rows = []
+    for dtype in dtypes:
+        bound = bounds(params, dtype)
+        for kind in args.servers.split(","):
+            proc, url, model = start(kind, model_dir, dtype, logs / f"{kind}-{dtype}.log")
+            try:
+                asyncio.run(level(url, model, 1, 1))  # warm-up
+                for c, n in LEVELS.items():
+                    r = asyncio.run(level(url, model, c, n))
+                    rows.append((dtype, names[kind], c, r, bound[c]))
+                    print(f"{dtype} {names[kind]} c={c}: {r['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(30)
+    print(f"SmolLM2-135M-Instruct, streaming chat, max_tokens 64, temperature 0; {os.cpu_count()} CPUs; "
+          f"requests per level {LEVELS}")
+    print(f"{'dtype':<6}{'server':<26}{'conc':>5}{'tok/s':>9}{'of bound':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
+          f"{'TPOT p50':>10}")
+    for dtype, name, c, r, b in rows:
+        share = f"{r['tokens_per_s'] / b:.0%}" if b == b else "-"
+        print(f"{dtype:<6}{name:<26}{c:>5}{r['tokens_per_s']:>9.1f}{share:>10}{r['ttft_p50']:>9.2f}s"
+              f"{r['ttft_p99']:>9.2f}s{r['tpot_p50'] * 1000:>8.0f}ms")
+    by = {(d, n, c): r["tokens_per_s"] for d, n, c, r, _ in rows}
+    for dtype in dtypes:
+        ours = {c: by.get((dtype, "gpuwise serve", c)) for c in LEVELS}
+        cb = by.get((dtype, "transformers serve --cb", 32))
+        plain = by.get((dtype, "transformers serve", 1))
+        if ours[32] and cb:
+            print(f"{dtype}: at 32, gpuwise / transformers --cb = {ours[32] / cb:.2f} (goal >= 2)")
+        if ours[32] and ours[1]:
+            print(f"{dtype}: gpuwise at 32 / at 1 = {ours[32] / ours[1]:.2f} (goal >= 3)")
+        if ours[1] and plain:
+            print(f"{dtype}: at 1, gpuwise / transformers = {ours[1] / plain:.2f} (goal >= 1)")
+
+
+if __name__ == "__main__":
+    main()
