@@ -215,6 +215,9 @@ def test_the_named_base_answers_a_chat(capsys):
 @pytest.mark.parametrize("ref, needle", [
     ("/nonexistent/model", "no such run directory or model file"),
     ("EMPTY", "a directory without config.json is not a model"),
+    ("--model=a=/nonexistent/x", "--model a=/nonexistent/x: no such run directory or model file"),
+    ("--model=a=x --model=a=y", "the name 'a' is given twice"),
+    ("--model==x", "give NAME=PATH"),
 ])
 def test_serving_what_is_not_a_model_is_one_line(capsys, tmp_path, ref, needle):
     import socket
@@ -225,7 +228,7 @@ def test_serving_what_is_not_a_model_is_one_line(capsys, tmp_path, ref, needle):
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     ref = str(tmp_path) if ref == "EMPTY" else ref
-    assert main(["serve", ref, "--port", port]) == 2
+    assert main(["serve", *ref.split(), "--port", port]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1, err
 
@@ -246,3 +249,53 @@ def test_chat_in_the_terminal_locally_and_against_a_server(capsys, monkeypatch, 
         assert "chatting with product-lm" in remote.err and remote.out.count("\n") == 2
         assert main(["chat", str(c.base_url), "--api-key", "wrong"]) == 2
         assert "answered 401" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_adapters_of_one_base_share_it_and_answer_each_its_own(capsys, tmp_path):
+    """A full fine-tune as the base, two LoRA runs over it (different seeds and data order): one server, one
+    copy of the base, the model field picks the adapter per request, and each answers as it does alone."""
+    from gpuwise.cli import main
+    from gpuwise.serve.models import load_models
+    from gpuwise.workloads.serving import Limits
+
+    from train_data import reviews_jsonl
+
+    data = reviews_jsonl(tmp_path / "r.jsonl")
+    small = f"train product-lm --data {data} --block-size 32 --batch-size 4 --json"
+    assert main(f"{small} --base scratch --method full --max-steps 1 --run-dir {tmp_path / 'base'}".split()) == 0
+    for name, seed in (("a", 1), ("b", 2)):  # a high rate, so two steps move the greedy answers apart
+        cmd = f"{small} --base {tmp_path / 'base' / 'model'} --method lora --lr 0.05 --max-steps 3 --seed {seed}"
+        assert main(f"{cmd} --run-dir {tmp_path / name}".split()) == 0
+    capsys.readouterr()
+    ask = {"prompt": "This coffee", "max_tokens": 12, "temperature": 0}
+
+    def answers(llm_models) -> dict:
+        llm = load_models(llm_models, Limits())
+        try:
+            assert len(llm.backends) == 1  # one copy of the base for all of them
+            backend = llm.backends[0]
+            ids = backend.tok(ask["prompt"])["input_ids"]
+            out = {}
+            import threading
+            import time as clock
+
+            from gpuwise.serve.engine import Params, Sequence
+
+            done = {n: threading.Event() for n, _ in llm_models}
+            seqs = {}
+            for n, _ in llm_models:  # all at once: one batch, a different adapter per row
+                seqs[n] = Sequence(ids, Params(12, 0.0), lambda e, n=n: "finish" in e and done[n].set(),
+                                   clock.monotonic() + 60, adapter=llm.route[n][1])
+                backend.engine.submit(seqs[n])
+            for n, _ in llm_models:
+                assert done[n].wait(60)
+                out[n] = seqs[n].out
+            return out
+        finally:
+            llm.close()
+
+    together = answers([("a", str(tmp_path / "a")), ("b", str(tmp_path / "b")), ("base", str(tmp_path / "base"))])
+    assert together["a"] != together["b"] != together["base"]
+    assert answers([("a", str(tmp_path / "a"))])["a"] == together["a"]
+    assert answers([("b", str(tmp_path / "b"))])["b"] == together["b"]

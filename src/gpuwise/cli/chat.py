@@ -83,9 +83,10 @@ def _local(target: str):
     def reply(messages: list[dict], max_tokens: int, temperature: float) -> Iterator[str]:
         ids = served.tok(chat_prompt(served.tok, [ChatMessage(**m) for m in messages]), add_special_tokens=False)
         ids = ids["input_ids"]
-        room = served.context - len(ids)
+        context = served.backends[0].context
+        room = context - len(ids)
         if room < 1:
-            raise GpuwiseError(f"the conversation holds {len(ids)} tokens, the model's context {served.context}")
+            raise GpuwiseError(f"the conversation holds {len(ids)} tokens, the model's context {context}")
         events: queue.Queue[dict] = queue.Queue()
         seq = Sequence(ids, Params(min(max_tokens, room), temperature), events.put, time.monotonic() + 3600)
         served.engine.submit(seq)

@@ -36,13 +36,20 @@ def _check_port_free(host: str, port: int) -> None:
 
 def serve(
     run_dir: Annotated[
-        Path,
+        Path | None,
         typer.Argument(
             metavar="RUN_OR_MODEL",
             help="A finished `gpuwise train` run, or a language model: a named base (smollm2-135m-instruct), "
             "a .gguf file, a model directory or a hub id, served behind the OpenAI API.",
         ),
-    ],
+    ] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Language models: NAME=RUN_OR_MODEL, repeatable; clients pick one by its NAME. LoRA runs of one "
+            "base share it in memory."
+        ),
+    ] = None,
     host: Annotated[str, typer.Option(help="Address to bind; anything but loopback needs an API key.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
     max_batch: Annotated[
@@ -95,7 +102,7 @@ def serve(
 
     from gpuwise.serve.app import Settings, create_app, server_config
     from gpuwise.serve.llm import LLM
-    from gpuwise.serve.models import Limits, is_run, load_model, load_served
+    from gpuwise.serve.models import Limits, is_run, load_model, load_models, load_served, parse_models
 
     floats = (
         ("--timeout", timeout),
@@ -126,21 +133,30 @@ def serve(
         max_seqs=max_seqs,
         max_queue=max_queue,
     )
-    if is_run(run_dir):
+    onnx_refused = "--runtime onnx applies to image and ranking runs; a language model runs on torch"
+    if run_dir is None and not model:
+        raise GpuwiseError("give a run or a model to serve (or --model NAME=PATH, repeatable)")
+    if model:
+        if runtime != "torch":
+            raise GpuwiseError(onnx_refused)
+        specs = parse_models(([str(run_dir)] if run_dir is not None else []) + list(model))
+        served = load_models(specs, limits, dtype)
+    elif run_dir is not None and is_run(run_dir):
         served, _ = load_served(run_dir, runtime, limits, dtype)
     else:
         if runtime != "torch":
-            raise GpuwiseError(
-                "--runtime onnx applies to trained image and ranking runs; a language model runs on torch"
-            )
+            raise GpuwiseError(onnx_refused)
         served = load_model(str(run_dir), limits, dtype=dtype)
+    if run_dir is None:  # --model alone: /v1/info names the first model
+        assert isinstance(served, LLM)
+        run_dir = Path(served.names[0])
     settings = Settings(str(run_dir), runtime, max_batch, max_wait_ms, api_key, limits, list(cors_origin or []))
     precision = served.precision if isinstance(served, LLM) else "fp32"  # image and ranking runs: fp32
     asgi = create_app(served, settings, run_id=run_dir.name, precision=precision)
     if isinstance(served, LLM):
         console.print(
             f"serving {served.model_name} on {served.device} at http://{host}:{port}/v1 (OpenAI API: model "
-            f"{served.names[0]!r}) · docs at /docs\n{served.plan()}"
+            f"{' or '.join(map(repr, served.names))}) · docs at /docs\n{served.plan()}"
         )
     else:
         console.print(

@@ -189,6 +189,7 @@ class Engine:
         # transformers 5 names the cache argument `cache`; earlier releases `past_key_values`
         params = inspect.signature(type(self._base_model()).forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.peft = hasattr(model, "peft_config")
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.cv = threading.Condition()
@@ -280,8 +281,8 @@ class Engine:
         bias = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
         bias.masked_fill_(~mask, torch.finfo(self.dtype).min)
         kwargs: dict[str, Any] = {self.cache_arg: self.cache}
-        if any(a is not None for a in adapters):
-            kwargs["adapter_names"] = [a or "__base__" for a in adapters]  # peft: one adapter per row
+        if self.peft:  # one adapter per row (peft's mixed-adapter batch); "__base__": the base alone
+            kwargs["adapter_names"] = [a or "__base__" for a in adapters]
         out = self.model(
             input_ids=ids.to(self.device),
             position_ids=pos.to(self.device),

@@ -64,63 +64,35 @@ def chat_prompt(tok, messages: list[p.ChatMessage]) -> str:
     return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
 
 
-class LLM:
-    """One causal LM (with its tokenizer) served under `name`, and the engine that runs it."""
+class Backend:
+    """One loaded model (a base, with the LoRA adapters that share it), its tokenizer, and its engine."""
 
-    batched = False
-
-    def __init__(
-        self,
-        model,
-        tok,
-        name: str,
-        limits: Limits,
-        workload: str = "llm",
-        about: str = "",
-        dtype: str = "auto",
-    ):
+    def __init__(self, model, tok, limits: Limits, dtype: str, device: str, stats: EngineStats):
         import torch
 
-        from gpuwise.hardware.devices import bf16_native
-
-        self.tok, self.limits, self.workload = tok, limits, workload
-        self.model_name = f"{name} ({about})" if about else name
-        self.names = [name]
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if dtype == "auto":  # bf16 where the hardware computes it; fp32 elsewhere (emulated bf16 is slower)
-            dtype = "bf16" if self.device == "cuda" and bf16_native() else "fp32"
-        self.precision = dtype
+        self.tok, self.precision = tok, dtype
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        model = model.to(self.device, torch_dtype).eval()
+        self.model = model.to(device, torch_dtype).eval()
         self.context = int(getattr(model.config, "max_position_embeddings", None) or 2048)
-        self.created = int(time.time())
-        self.stats = EngineStats()
-        per_token = kv_bytes_per_token(*kv_shape(model.config), torch_dtype)
-        self.kv_budget = kv_budget(_free_bytes(self.device), per_token, self.context, limits.max_seqs)
+        self.kv_bytes_per_token = kv_bytes_per_token(*kv_shape(model.config), torch_dtype)
+        self.kv_budget = kv_budget(_free_bytes(device), self.kv_bytes_per_token, self.context, limits.max_seqs)
         self.engine = Engine(
-            model,
+            self.model,
             tok,
             max_seqs=limits.max_seqs,
             kv_budget_tokens=self.kv_budget,
             max_queue=limits.max_queue,
             context=self.context,
-            stats=self.stats,
+            stats=stats,
         )
-        self.kv_bytes_per_token = per_token
-
-    def __call__(self, items: list, /) -> list:
-        raise NotImplementedError("an LLM is not served through the dynamic batcher: its engine batches")
 
     def _plan_request(self):
         from gpuwise.plan.request import PlanRequest
         from gpuwise.workloads.product_lm import spec_of
 
         precision = "bf16" if self.precision == "fp16" else self.precision  # the planner's 2-byte name
-        return (
-            precision,
-            spec_of(self.engine.model),
-            PlanRequest(task="inference", batch=1, seq=1, gen=0, precision=precision),
-        )
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return precision, spec_of(base), PlanRequest(task="inference", batch=1, seq=1, gen=0, precision=precision)
 
     def planned_kv_bytes_per_token(self) -> float:
         from gpuwise.plan.memory import kv_cache_bytes
@@ -145,41 +117,101 @@ class LLM:
             f"{full:,} of them at the full context of {self.context:,}"
         )
 
+
+class LLM:
+    """Causal LMs behind the OpenAI API. `groups`: (model, tokenizer, [(model id, adapter)]) per loaded
+    base; an adapter name picks a LoRA adapter loaded into that (peft) model, None the base itself. The
+    adapters of one base share its weights and its running batch: each row of a step runs its own adapter
+    (peft's mixed-adapter batches), as vLLM serves LoRA modules."""
+
+    batched = False
+
+    def __init__(self, groups: list, limits: Limits, workload: str = "llm", about: str = "", dtype: str = "auto"):
+        import torch
+
+        from gpuwise.hardware.devices import bf16_native
+
+        self.limits, self.workload = limits, workload
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype == "auto":  # bf16 where the hardware computes it; fp32 elsewhere (emulated bf16 is slower)
+            dtype = "bf16" if self.device == "cuda" and bf16_native() else "fp32"
+        self.precision = dtype
+        self.created = int(time.time())
+        self.stats: list[EngineStats] = []
+        self.backends: list[Backend] = []
+        self.route: dict[str, tuple[Backend, str | None]] = {}
+        for model, tok, names in groups:
+            self.stats.append(EngineStats())
+            backend = Backend(model, tok, limits, dtype, self.device, self.stats[-1])
+            self.backends.append(backend)
+            for name, adapter in names:
+                self.route[name] = (backend, adapter)
+        self.names = list(self.route)
+        self.model_name = ", ".join(self.names) + (f" ({about})" if about else "")
+
+    @classmethod
+    def single(cls, model, tok, name: str, limits: Limits, **kw) -> LLM:
+        return cls([(model, tok, [(name, None)])], limits, **kw)
+
+    # the first backend, for the one-model case (the start-up plan, `gpuwise chat`)
+    @property
+    def engine(self) -> Engine:
+        return self.backends[0].engine
+
+    @property
+    def tok(self):
+        return self.backends[0].tok
+
+    def plan(self) -> str:
+        return "\n".join(b.plan() for b in self.backends)
+
+    def planned_kv_bytes_per_token(self) -> float:
+        return self.backends[0].planned_kv_bytes_per_token()
+
+    def __call__(self, items: list, /) -> list:
+        raise NotImplementedError("an LLM is not served through the dynamic batcher: its engine batches")
+
     def close(self) -> None:
-        self.engine.close()
+        for b in self.backends:
+            b.engine.close()
 
     # --- decode: a request -> token ids ---------------------------------------------------------------
-    def _ids(self, text: str, special: bool) -> list[int]:
-        return self.tok(text, add_special_tokens=special)["input_ids"]
+    @staticmethod
+    def _ids(backend: Backend, text: str, special: bool) -> list[int]:
+        return backend.tok(text, add_special_tokens=special)["input_ids"]
 
-    def _params(self, max_tokens: int | None, prompt_len: int, temperature: float, top_p: float, stop, seed) -> Params:
-        room = self.context - prompt_len
+    def _params(
+        self, backend: Backend, max_tokens: int | None, prompt_len: int, temperature: float, top_p: float, stop, seed
+    ) -> Params:
+        context = backend.context
+        room = context - prompt_len
         if room < 1:
-            raise ClientError(
-                400, f"the prompt holds {prompt_len} tokens; this model's context is {self.context} tokens"
-            )
+            raise ClientError(400, f"the prompt holds {prompt_len} tokens; this model's context is {context} tokens")
         if max_tokens is None:
             max_tokens = min(room, self.limits.max_tokens)
         elif max_tokens > self.limits.max_tokens:
             raise ClientError(400, f"max_tokens: at most {self.limits.max_tokens} on this server")
-        elif prompt_len + max_tokens > self.context:
+        elif prompt_len + max_tokens > context:
             raise ClientError(
                 400,
-                f"this model's context is {self.context} tokens; the prompt ({prompt_len}) plus max_tokens "
+                f"this model's context is {context} tokens; the prompt ({prompt_len}) plus max_tokens "
                 f"({max_tokens}) asks for {prompt_len + max_tokens}",
             )
         return Params(max_tokens, temperature, top_p, list(stop or []), seed)
 
-    def _model(self, name: str) -> None:
-        if name not in self.names:
+    def _model(self, name: str) -> tuple[Backend, str | None]:
+        if name not in self.route:
             raise ClientError(404, f"model '{name}' not found; this server serves: {', '.join(self.names)}")
+        return self.route[name]
 
     def _check_chars(self, text: str) -> None:
         if len(text) > self.limits.max_prompt_chars:
             raise ClientError(413, f"prompt: {len(text):,} characters; at most {self.limits.max_prompt_chars:,}")
 
     # --- predict: through the engine -------------------------------------------------------------------
-    def _submit(self, ids: list[int], params: Params) -> tuple[Sequence, asyncio.Queue]:
+    def _submit(
+        self, target: tuple[Backend, str | None], ids: list[int], params: Params
+    ) -> tuple[Sequence, asyncio.Queue]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[dict] = asyncio.Queue()
 
@@ -187,9 +219,10 @@ class LLM:
             with contextlib.suppress(RuntimeError):  # the loop has closed (server shut down): nobody listens
                 loop.call_soon_threadsafe(queue.put_nowait, event)
 
-        seq = Sequence(ids, params, sink, deadline=time.monotonic() + self.limits.timeout_s)
+        backend, adapter = target
+        seq = Sequence(ids, params, sink, deadline=time.monotonic() + self.limits.timeout_s, adapter=adapter)
         try:
-            self.engine.submit(seq)
+            backend.engine.submit(seq)
         except QueueFull as e:
             raise ClientError(
                 429, f"server busy: {e}; retry in {RETRY_AFTER_S} s", {"Retry-After": str(RETRY_AFTER_S)}
@@ -271,12 +304,13 @@ class LLM:
 
         @app.post("/v1/chat/completions", response_model=p.ChatCompletion)
         async def chat(ask: p.ChatCompletionRequest, request: Request):
-            self._model(ask.model)
-            text = chat_prompt(self.tok, ask.messages)
+            target = self._model(ask.model)
+            backend = target[0]
+            text = chat_prompt(backend.tok, ask.messages)
             self._check_chars(text)
-            ids = self._ids(text, special=False)  # the template wrote the special tokens itself
-            params = self._params(ask.limit(), len(ids), ask.temperature, ask.top_p, ask.stops(), ask.seed)
-            seq, queue = self._submit(ids, params)
+            ids = self._ids(backend, text, special=False)  # the template wrote the special tokens itself
+            params = self._params(backend, ask.limit(), len(ids), ask.temperature, ask.top_p, ask.stops(), ask.seed)
+            seq, queue = self._submit(target, ids, params)
             if not ask.stream:
                 out, end = await self._whole(seq, queue, request)
                 choice = p.ChatChoice(message=p.AssistantMessage(content=out), finish_reason=end["finish"])
@@ -308,12 +342,13 @@ class LLM:
 
         @app.post("/v1/completions", response_model=p.Completion)
         async def completions(ask: p.CompletionRequest, request: Request):
-            self._model(ask.model)
+            target = self._model(ask.model)
+            backend = target[0]
             assert isinstance(ask.prompt, str)  # the validator made a list of one into its string
             self._check_chars(ask.prompt)
-            ids = self._ids(ask.prompt, special=True)
-            params = self._params(ask.limit(), len(ids), ask.temperature, ask.top_p, ask.stops(), ask.seed)
-            seq, queue = self._submit(ids, params)
+            ids = self._ids(backend, ask.prompt, special=True)
+            params = self._params(backend, ask.limit(), len(ids), ask.temperature, ask.top_p, ask.stops(), ask.seed)
+            seq, queue = self._submit(target, ids, params)
             if not ask.stream:
                 out, end = await self._whole(seq, queue, request)
                 choice = p.CompletionChoice(text=out, finish_reason=end["finish"])
@@ -341,14 +376,17 @@ class LLM:
             if ask.max_tokens > self.limits.max_tokens:
                 raise ClientError(422, f"max_tokens: at most {self.limits.max_tokens}")
             self._check_chars(ask.prompt)
-            ids = self._ids(ask.prompt, special=True)
-            if len(ids) + ask.max_tokens > self.context:
+            # gpuwise's own route, from before several models: the first one serves it
+            target = (self.backends[0], self.route[self.names[0]][1])
+            context = target[0].context
+            ids = self._ids(target[0], ask.prompt, special=True)
+            if len(ids) + ask.max_tokens > context:
                 raise ClientError(
                     422,
-                    f"prompt ({len(ids)} tokens) + max_tokens ({ask.max_tokens}) exceeds the context of {self.context}",
+                    f"prompt ({len(ids)} tokens) + max_tokens ({ask.max_tokens}) exceeds the context of {context}",
                 )
             temperature = ask.temperature if ask.temperature >= GREEDY_BELOW else 0.0
-            seq, queue = self._submit(ids, Params(ask.max_tokens, temperature, ask.top_p, ask.stop))
+            seq, queue = self._submit(target, ids, Params(ask.max_tokens, temperature, ask.top_p, ask.stop))
             if not ask.stream:
                 out, end = await self._whole(seq, queue, request)
                 return GenerateResponse(text=out, tokens=end["completion_tokens"], finish_reason=end["finish"])
@@ -372,7 +410,7 @@ class LLM:
         """vLLM's serving series, under gpuwise_ names, in the server's registry."""
         from prometheus_client import Counter, Gauge, Histogram
 
-        reg, s = ctx.registry, self.stats
+        reg, stats = ctx.registry, self.stats
         latency = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
         ttft = Histogram("gpuwise_time_to_first_token_seconds", "Time to first token", buckets=latency, registry=reg)
         itl = Histogram(
@@ -387,21 +425,22 @@ class LLM:
         prompt = Counter("gpuwise_prompt_tokens", "Prompt tokens processed", registry=reg)
         generated = Counter("gpuwise_generation_tokens", "Tokens generated", registry=reg)
         Gauge("gpuwise_num_requests_running", "Sequences in the running batch", registry=reg).set_function(
-            lambda: s.running
+            lambda: sum(s.running for s in stats)
         )
         Gauge("gpuwise_num_requests_waiting", "Requests waiting for a slot", registry=reg).set_function(
-            lambda: s.waiting
+            lambda: sum(s.waiting for s in stats)
         )
         Gauge(
             "gpuwise_kv_cache_usage_perc", "Share of the KV budget the running sequences reserve", registry=reg
-        ).set_function(lambda: s.kv_tokens / self.kv_budget)
+        ).set_function(lambda: sum(s.kv_tokens for s in stats) / sum(b.kv_budget for b in self.backends))
 
         def finished(seq: Sequence) -> None:
             e2e.observe(time.perf_counter() - seq.t_submit)
             prompt.inc(len(seq.prompt))
             generated.inc(len(seq.out))
 
-        s.on_first_token, s.on_token, s.on_finish = ttft.observe, itl.observe, finished
+        for s in stats:
+            s.on_first_token, s.on_token, s.on_finish = ttft.observe, itl.observe, finished
 
 
 def _free_bytes(device: str) -> int:

@@ -7,6 +7,7 @@ routes); `--runtime onnx` swaps a torch forward for onnxruntime's where the work
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from gpuwise.errors import GpuwiseError, loading_model
 from gpuwise.workloads.serving import CausalLM, Limits, Served
@@ -21,7 +22,7 @@ def load_served(run_dir: Path, runtime: str, limits: Limits, dtype: str = "auto"
         if isinstance(served, CausalLM):
             from gpuwise.serve.llm import LLM
 
-            served = LLM(
+            served = LLM.single(
                 served.model,
                 served.tok,
                 served.name,
@@ -63,4 +64,66 @@ def load_model(ref: str, limits: Limits, name: str | None = None, dtype: str = "
     if tok.eos_token_id is None:
         raise GpuwiseError(f"serve {ref}: its tokenizer has no end-of-text token")
     about = source if source != ref else ""
-    return LLM(model, tok, name or model_id(ref), limits, workload="llm", about=about, dtype=dtype)
+    return LLM.single(model, tok, name or model_id(ref), limits, workload="llm", about=about, dtype=dtype)
+
+
+def load_models(specs: list[tuple[str, str]], limits: Limits, dtype: str = "auto"):
+    """Several language models in one server (`--model NAME=REF`, repeatable). A product-lm LoRA run is its
+    adapter over its base: runs over the same base share one copy of it and one running batch, and a base
+    named too is served from that same copy."""
+    from gpuwise.serve.llm import LLM
+    from gpuwise.train.records import open_finished
+    from gpuwise.workloads.pretrained import SCRATCH, resolve_base
+    from gpuwise.workloads.product_lm import quiet_transformers
+
+    quiet_transformers()
+    groups: dict[str, list[tuple[str, Path | None]]] = {}
+    for name, ref in specs:
+        path = Path(ref).expanduser()
+        if is_run(path):
+            cfg = open_finished(path)
+            if cfg.workload_def().inputs != "prompts":
+                raise GpuwiseError(f"--model {name}={ref}: a {cfg.workload} run is not a language model")
+            if cfg.method == "full":
+                source, adapter = str((path / "model").resolve()), None
+            else:
+                base = path / "base" if cfg.base in (None, SCRATCH) else Path(resolve_base(cfg.base, flag="--model"))
+                source, adapter = str(base.resolve()) if base.exists() else str(base), path / "adapter"
+        else:
+            if not path.exists() and (ref.startswith((".", "/", "~")) or ref.count("/") > 1):
+                raise GpuwiseError(f"--model {name}={ref}: no such run directory or model file")
+            found = resolve_base(ref, flag="--model")
+            source, adapter = (str(Path(found).resolve()) if Path(found).exists() else found), None
+        groups.setdefault(source, []).append((name, adapter))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    built = []
+    for source, entries in groups.items():
+        with loading_model(source, "--model"):
+            tok = AutoTokenizer.from_pretrained(source)
+            model: Any = AutoModelForCausalLM.from_pretrained(source)
+            adapters = [(n, a) for n, a in entries if a is not None]
+            if adapters:
+                from peft import PeftModel
+
+                model = PeftModel.from_pretrained(model, str(adapters[0][1]), adapter_name=adapters[0][0])
+                for n, a in adapters[1:]:
+                    model.load_adapter(str(a), adapter_name=n)
+        if tok.eos_token_id is None:
+            raise GpuwiseError(f"--model {source}: its tokenizer has no end-of-text token")
+        built.append((model, tok, [(n, n if a is not None else None) for n, a in entries]))
+    return LLM(built, limits, dtype=dtype)
+
+
+def parse_models(values: list[str]) -> list[tuple[str, str]]:
+    """--model NAME=REF (or a bare REF, named after its file or directory) -> [(name, ref)], names unique."""
+    out: list[tuple[str, str]] = []
+    for value in values:
+        name, sep, ref = value.partition("=")
+        name, ref = (name.strip(), ref.strip()) if sep else (model_id(value), value)
+        if not name or not ref or any(c.isspace() for c in name):
+            raise GpuwiseError(f"--model {value}: give NAME=PATH, a name without spaces")
+        if name in {n for n, _ in out}:
+            raise GpuwiseError(f"--model {value}: the name {name!r} is given twice")
+        out.append((name, ref))
+    return out
