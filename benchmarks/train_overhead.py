@@ -22,9 +22,9 @@ import torch
 
 def raw_loop(work, steps: int, batch: int, lr: float) -> float:
     """The textbook loop on the same workload: what our trainer must not be slower than."""
+    from gpuwise.plan.optim import adamw
     from gpuwise.train.loop import step_samples
     from gpuwise.train.setup import lr_lambda
-    from gpuwise.workloads.base import adamw
 
     model = work.model
     opt = adamw(model.parameters(), lr, "cpu", work.defaults.get("weight_decay", 0.01))  # the same (fused) AdamW

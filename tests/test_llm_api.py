@@ -214,7 +214,7 @@ def test_the_named_base_answers_a_chat(capsys):
 
 @pytest.mark.parametrize("ref, needle", [
     ("/nonexistent/model", "no such run directory or model file"),
-    ("EMPTY", "a directory without config.json is not a model"),
+    ("EMPTY", "is not a gpuwise run directory (no config.yaml)"),
     ("--model=a=/nonexistent/x", "--model a=/nonexistent/x: no such run directory or model file"),
     ("--model=a=x --model=a=y", "the name 'a' is given twice"),
     ("--model==x", "give NAME=PATH"),

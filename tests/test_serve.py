@@ -297,7 +297,9 @@ def test_a_timed_out_generation_frees_the_model(runs):
     with Server(runs["product-lm"], limits={"max_tokens": 500, "timeout_s": 0.2}) as c:
         r = c.post("/v1/generate", json={"prompt": "x", "max_tokens": 500, "temperature": 0})
         assert r.status_code == 504 and "timeout" in r.json()["detail"]
-        with c.stream("POST", "/v1/generate", json={"prompt": "x", "max_tokens": 500, "stream": True}) as s:
+        # greedy: this model writes no end-of-text in 500 tokens, so only the deadline can end it
+        stream = {"prompt": "This coffee", "max_tokens": 500, "temperature": 0, "stream": True}
+        with c.stream("POST", "/v1/generate", json=stream) as s:
             events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
         assert "timeout" in events[-1]["error"]
         t0 = time.perf_counter()

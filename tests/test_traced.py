@@ -31,9 +31,11 @@ def test_traced_and_analytic_agree_on_llama_configs(name, precision):
     # Peak memory: the analytic planner adds activations and gradients (they coexist under gradient
     # accumulation); one traced step peaks either in backward or at the optimizer step, when the
     # activations are gone. So the analytic figure must never be below the traced one (2 % slack) and
-    # at most 12 % above it (measured: -0.2 % to +10.5 %, the most at 1.1 B in fp32).
+    # at most 15 % above it. Measured: -0.2 % to +13.5 %, the most at 1.1 B in fp32, where the fused
+    # AdamW `gpuwise train` uses has no per-tensor temporaries and the traced step peaks in backward
+    # (it was +10.5 % with the for-loop AdamW, whose temporaries raised the traced peak).
     analytic = memory(spec, req, Layout()).total
-    assert 0.98 * traced["memory"]["total"] <= analytic <= 1.12 * traced["memory"]["total"]
+    assert 0.98 * traced["memory"]["total"] <= analytic <= 1.15 * traced["memory"]["total"]
 
 
 @pytest.mark.parametrize("workload", ["defects", "recommender", "product-lm"])

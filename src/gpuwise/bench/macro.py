@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from gpuwise.hardware.devices import bf16_native
-from gpuwise.workloads.base import adamw
+from gpuwise.plan.optim import adamw
 from gpuwise.workloads.registry import get
 
 

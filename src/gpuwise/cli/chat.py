@@ -106,7 +106,7 @@ def chat(
         str,
         typer.Argument(
             metavar="MODEL_OR_URL",
-            help="A product-lm run, a named base, a .gguf file, a model directory, or the URL of a server "
+            help="A trained language-model run, a named base, a .gguf file, a model directory, or the URL of a server "
             "that speaks the OpenAI API (http://127.0.0.1:8000).",
         ),
     ],

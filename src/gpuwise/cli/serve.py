@@ -93,7 +93,7 @@ def serve(
 ):
     """Serve a trained run over HTTP: its workload's route (/v1/predict for images, /v1/recommend for
     rankings), with /health, /v1/info, /metrics and the OpenAPI docs at /docs. A language model (a
-    product-lm run, or a model given directly) gets the OpenAI API: /v1/models, /v1/chat/completions,
+    trained run, or a model given directly) gets the OpenAI API: /v1/models, /v1/chat/completions,
     /v1/completions, with continuous batching.
 
     Example: gpuwise serve smollm2-135m-instruct, then point the openai SDK or Open WebUI at
@@ -102,7 +102,7 @@ def serve(
 
     from gpuwise.serve.app import Settings, create_app, server_config
     from gpuwise.serve.llm import LLM
-    from gpuwise.serve.models import Limits, is_run, load_model, load_models, load_served, parse_models
+    from gpuwise.serve.models import Limits, is_model, load_model, load_models, load_served, parse_models
 
     floats = (
         ("--timeout", timeout),
@@ -141,7 +141,7 @@ def serve(
             raise GpuwiseError(onnx_refused)
         specs = parse_models(([str(run_dir)] if run_dir is not None else []) + list(model))
         served = load_models(specs, limits, dtype)
-    elif run_dir is not None and is_run(run_dir):
+    elif run_dir is not None and not is_model(str(run_dir)):
         served, _ = load_served(run_dir, runtime, limits, dtype)
     else:
         if runtime != "torch":

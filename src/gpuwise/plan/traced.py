@@ -216,6 +216,8 @@ def _trace(name: str, build, acc: Accelerator, precision: str, peak: float, mesh
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from gpuwise.plan.optim import adamw
+
     autocast = precision in ("bf16", "fp16")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -224,7 +226,8 @@ def _trace(name: str, build, acc: Accelerator, precision: str, peak: float, mesh
             from gpuwise.plan.sharding import fully_shard_model
 
             model = fully_shard_model(model, mesh)  # as `gpuwise train --strategy fsdp` shards it
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = adamw(trainable, 1e-4, "cpu", sharded=mesh is not None)  # the optimizer `gpuwise train` makes
 
         def step():
             with torch.autocast("cpu", dtype=dtype, enabled=autocast):

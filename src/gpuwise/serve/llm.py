@@ -88,7 +88,7 @@ class Backend:
 
     def _plan_request(self):
         from gpuwise.plan.request import PlanRequest
-        from gpuwise.workloads.product_lm import spec_of
+        from gpuwise.workloads.pretrained import spec_of
 
         precision = "bf16" if self.precision == "fp16" else self.precision  # the planner's 2-byte name
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model

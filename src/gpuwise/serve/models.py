@@ -38,6 +38,22 @@ def is_run(path: Path) -> bool:
     return (path / "config.yaml").is_file()
 
 
+def is_model(ref: str) -> bool:
+    """Whether `gpuwise serve REF` names a model rather than a run: a named base, a .gguf file, a directory
+    with config.json and no config.yaml, or what can only be a hub id. Anything else is read as a run, so a
+    damaged run gets the run's errors."""
+    from gpuwise.plan.bases import NAMED_BASES
+
+    path = Path(ref).expanduser()
+    if ref in NAMED_BASES or path.suffix.lower() == ".gguf":
+        return True
+    if path.exists():
+        return path.is_dir() and (path / "config.json").is_file() and not is_run(path)
+    if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
+        raise GpuwiseError(f"{ref}: no such run directory or model file")
+    return True  # a hub id
+
+
 def model_id(ref: str) -> str:
     """The id clients send in "model": a named base or hub id as given, a file or directory by its name."""
     path = Path(ref).expanduser()
@@ -48,13 +64,9 @@ def load_model(ref: str, limits: Limits, name: str | None = None, dtype: str = "
     """A language model that is not a gpuwise run (a named base, a .gguf file, a model directory, a hub
     id) behind the OpenAI API."""
     from gpuwise.serve.llm import LLM
-    from gpuwise.workloads.pretrained import resolve_base
-    from gpuwise.workloads.product_lm import quiet_transformers
+    from gpuwise.workloads.pretrained import quiet_transformers, resolve_base
 
     quiet_transformers()
-    path = Path(ref).expanduser()
-    if not path.exists() and (ref.startswith((".", "/", "~")) or ref.count("/") > 1):
-        raise GpuwiseError(f"{ref}: no such run directory or model file")
     source = resolve_base(ref, flag="serve")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -68,13 +80,12 @@ def load_model(ref: str, limits: Limits, name: str | None = None, dtype: str = "
 
 
 def load_models(specs: list[tuple[str, str]], limits: Limits, dtype: str = "auto"):
-    """Several language models in one server (`--model NAME=REF`, repeatable). A product-lm LoRA run is its
+    """Several language models in one server (`--model NAME=REF`, repeatable). A language-model LoRA run is its
     adapter over its base: runs over the same base share one copy of it and one running batch, and a base
     named too is served from that same copy."""
     from gpuwise.serve.llm import LLM
     from gpuwise.train.records import open_finished
-    from gpuwise.workloads.pretrained import SCRATCH, resolve_base
-    from gpuwise.workloads.product_lm import quiet_transformers
+    from gpuwise.workloads.pretrained import SCRATCH, quiet_transformers, resolve_base
 
     quiet_transformers()
     groups: dict[str, list[tuple[str, Path | None]]] = {}

@@ -205,7 +205,7 @@ def measured_step(workload: str) -> tuple[float, float]:
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.flop_counter import FlopCounterMode
 
-    from gpuwise.workloads.base import adamw
+    from gpuwise.plan.optim import adamw
     from gpuwise.workloads.registry import get
 
     torch.manual_seed(0)

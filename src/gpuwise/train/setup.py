@@ -16,11 +16,12 @@ from typing import Any
 import torch
 
 from gpuwise.errors import GpuwiseError
+from gpuwise.plan.optim import adamw
 from gpuwise.train import checkpoint, fit, measure
 from gpuwise.train.config import TrainConfig
 from gpuwise.train.records import Recorder, RunClaim
 from gpuwise.train.rng import rng_state, set_rng_state
-from gpuwise.workloads.base import Training, adamw
+from gpuwise.workloads.base import Training
 
 
 def say(fabric, message: str) -> None:

@@ -126,17 +126,6 @@ def place(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return model if device.type == "cpu" else model.to(device)
 
 
-def adamw(params, lr: float, device_type: str, weight_decay: float = 0.01, sharded: bool = False):
-    """The optimizer of every training step gpuwise runs or measures (train, bench, the profiler's check).
-    The fused kernel updates all tensors in one pass instead of a Python loop over them: SmolLM2's LoRA has
-    420 (measured here: 14 vs 65 ms a step), as HF Trainer's default adamw_torch_fused does. FSDP's sharded
-    parameters keep the default implementation."""
-    import torch
-
-    fused = device_type in ("cpu", "cuda") and not sharded
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
-
-
 @contextlib.contextmanager
 def whole_params(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Gather FSDP's shards for code that reads weights outside forward (e.g. scoring every item);

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 from gpuwise.errors import GpuwiseError, first_line
@@ -92,3 +93,40 @@ def resolve_base(spec: str, flag: str = "--base") -> str:
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise GpuwiseError(f"{flag} {spec}: no such file or directory")
     return spec  # a hub id: from_pretrained fetches it where a hub is reachable
+
+
+def quiet_transformers() -> None:
+    import logging
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # bitsandbytes tries to fetch an optional CPU kernel from the hub at import and warns when it can't;
+    # nothing is fetched at run time here, and its built-in CPU path is what we use.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # huggingface_hub logs each retry of an unreachable hub as a warning; the error that follows says it once.
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    # peft (0.x) still probes the old attribute name; the warning is theirs to act on, not the user's.
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
+def spec_of(model, name: str = "model"):
+    """The analytic planner's view of the model, from its config."""
+    from gpuwise.plan.model import ModelSpec
+
+    c = model.config
+    heads = c.num_attention_heads
+    return ModelSpec(
+        name=name,
+        family=c.model_type,
+        layers=c.num_hidden_layers,
+        hidden=c.hidden_size,
+        heads=heads,
+        kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        ffn=c.intermediate_size,
+        vocab=c.vocab_size,
+        tied=bool(c.tie_word_embeddings),
+    )

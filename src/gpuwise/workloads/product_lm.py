@@ -14,7 +14,6 @@ import json
 import math
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 
 from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.workloads.base import BenchStep, Training, Workload, place
-from gpuwise.workloads.pretrained import SCRATCH, resolve_base
+from gpuwise.workloads.pretrained import SCRATCH, quiet_transformers, resolve_base, spec_of
 from gpuwise.workloads.serving import CausalLM, Limits
 
 PROMPTS = ("this coffee", "my dog", "i ordered")  # continued by a base without a chat template
@@ -52,23 +51,6 @@ SMALL_LLAMA: dict[str, Any] = dict(
     num_key_value_heads=4,
     tie_word_embeddings=True,
 )
-
-
-def quiet_transformers() -> None:
-    import logging
-
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    # bitsandbytes tries to fetch an optional CPU kernel from the hub at import and warns when it can't;
-    # nothing is fetched at run time here, and its built-in CPU path is what we use.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    # huggingface_hub logs each retry of an unreachable hub as a warning; the error that follows says it once.
-    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    # peft (0.x) still probes the old attribute name; the warning is theirs to act on, not the user's.
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 
 def load_texts(path: str | None, seed: int = 0) -> tuple[list[Sample], list[Sample], str]:
@@ -288,26 +270,6 @@ def merge(adapter_dir: Path, target: Path, tok) -> str:
     return target.name + "/"
 
 
-def spec_of(model):
-    """The analytic planner's view of the model, from its config."""
-    from gpuwise.plan.model import ModelSpec
-
-    c = model.config
-    heads = c.num_attention_heads
-    return ModelSpec(
-        name="product-lm",
-        family=c.model_type,
-        layers=c.num_hidden_layers,
-        hidden=c.hidden_size,
-        heads=heads,
-        kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-        ffn=c.intermediate_size,
-        vocab=c.vocab_size,
-        tied=bool(c.tie_word_embeddings),
-    )
-
-
 @torch.no_grad()
 def generate(model, tok, prompts, max_tokens: int, device, seed: int = 0) -> list[str]:
     model.eval()
@@ -385,7 +347,7 @@ def build(cfg, run_dir: Path) -> Training:
     train_blocks, train_labels = pack(train_samples, tok, cfg.block_size)
     run_dir.mkdir(parents=True, exist_ok=True)
     base = load_base(cfg, tok, run_dir)
-    spec = spec_of(base)
+    spec = spec_of(base, "product-lm")
     model = adapt(base, cfg)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
