@@ -1,5 +1,6 @@
-"""A causal LM behind the OpenAI API (`/v1/models`, `/v1/chat/completions`, `/v1/completions`) and
-gpuwise's own `/v1/generate`, all through one continuous-batching `Engine`.
+"""Causal LMs behind the OpenAI API (`/v1/models`, `/v1/chat/completions`, `/v1/completions`) and
+gpuwise's own `/v1/generate`: each loaded base (with the LoRA adapters that share it) runs in its own
+continuous-batching `Engine`, and the request's `model` field picks the base and adapter.
 
 The LitServe shape: decode (the request -> prompt token ids and sampling parameters), predict (the
 engine, shared by every request), encode (events -> OpenAI's JSON, whole or as server-sent events).
