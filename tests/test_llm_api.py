@@ -76,6 +76,9 @@ def test_each_error_is_openai_shaped(run):
             oa.completions.create(model=MODEL, prompt="x", max_tokens=65)
         with pytest.raises(openai.BadRequestError, match="context is 512 tokens"):
             oa.completions.create(model=MODEL, prompt="coffee " * 600, max_tokens=1)
+        with pytest.raises(openai.APIStatusError, match="at most 8,000") as too_long:
+            oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 9000}])
+        assert too_long.value.status_code == 413
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 9999},
                    headers={"Authorization": "Bearer k3y"})
         error = r.json()["error"]
