@@ -56,17 +56,45 @@ def start(kind: str, model_dir: str, dtype: str, log: Path) -> tuple[subprocess.
     """(process, base URL, model id) of a fresh server."""
     port = free_port()
     if kind == "gpuwise":
-        cmd = [sys.executable, "-m", "gpuwise", "serve", model_dir, "--port", str(port), "--dtype", dtype,
-               "--max-tokens", "512", "--max-seqs", "32"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "gpuwise",
+            "serve",
+            model_dir,
+            "--port",
+            str(port),
+            "--dtype",
+            dtype,
+            "--max-tokens",
+            "512",
+            "--max-seqs",
+            "32",
+        ]
         model = Path(model_dir).name
     else:
         exe = str(Path(sys.executable).with_name("transformers"))
-        cmd = [exe, "serve", model_dir, "--port", str(port), "--host", "127.0.0.1", "--device", "cpu",
-               "--dtype", {"fp32": "float32", "bf16": "bfloat16"}[dtype]]
+        cmd = [
+            exe,
+            "serve",
+            model_dir,
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--device",
+            "cpu",
+            "--dtype",
+            {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+        ]
         cmd += ["--continuous-batching"] if kind == "hf-cb" else []
         model = model_dir
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, GPUWISE_DB=str(log.with_suffix(".sqlite"))))
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, GPUWISE_DB=str(log.with_suffix(".sqlite"))),
+    )
     url = f"http://127.0.0.1:{port}/v1"
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -86,7 +114,11 @@ async def one(client, model: str, prompt: str) -> dict:
     t0 = time.perf_counter()
     first, tokens, chunks = None, None, 0
     stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=64, temperature=0, stream=True,
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=64,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     async for chunk in stream:
@@ -167,14 +199,20 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait(30)
-    print(f"SmolLM2-135M-Instruct, streaming chat, max_tokens 64, temperature 0; {os.cpu_count()} CPUs; "
-          f"requests per level {LEVELS}")
-    print(f"{'dtype':<6}{'server':<26}{'conc':>5}{'tok/s':>9}{'of bound':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
-          f"{'TPOT p50':>10}")
+    print(
+        f"SmolLM2-135M-Instruct, streaming chat, max_tokens 64, temperature 0; {os.cpu_count()} CPUs; "
+        f"requests per level {LEVELS}"
+    )
+    print(
+        f"{'dtype':<6}{'server':<26}{'conc':>5}{'tok/s':>9}{'of bound':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"{'TPOT p50':>10}"
+    )
     for dtype, name, c, r, b in rows:
         share = f"{r['tokens_per_s'] / b:.0%}" if b == b else "-"
-        print(f"{dtype:<6}{name:<26}{c:>5}{r['tokens_per_s']:>9.1f}{share:>10}{r['ttft_p50']:>9.2f}s"
-              f"{r['ttft_p99']:>9.2f}s{r['tpot_p50'] * 1000:>8.0f}ms")
+        print(
+            f"{dtype:<6}{name:<26}{c:>5}{r['tokens_per_s']:>9.1f}{share:>10}{r['ttft_p50']:>9.2f}s"
+            f"{r['ttft_p99']:>9.2f}s{r['tpot_p50'] * 1000:>8.0f}ms"
+        )
     by = {(d, n, c): r["tokens_per_s"] for d, n, c, r, _ in rows}
     for dtype in dtypes:
         ours = {c: by.get((dtype, "gpuwise serve", c)) for c in LEVELS}

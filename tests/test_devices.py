@@ -42,6 +42,27 @@ def test_engine_choice_prefers_cuda_then_mps_then_cpu():
         "precision": "32-true",
         "why": "",
     }
+    # A CPU with bf16 instructions autocasts to bf16; a GPU still comes first.
+    assert choose_engine([], mps=False, cpu_bf16=True)["precision"] == "bf16-mixed"
+    assert choose_engine([gpu(False)], mps=False, cpu_bf16=True)["precision"] == "16-mixed"
+
+
+def test_cpu_bf16_rule_follows_the_isa():
+    from gpuwise.hardware.cpu import flop_per_cycle
+
+    base = {"avx512f", "avx2", "fma"}
+    for flags, native in ((base, False), (base | {"avx512_bf16"}, True), (base | {"amx_bf16"}, True)):
+        bf16_per_cycle = flop_per_cycle("GenuineIntel", flags)[2]
+        assert (bf16_per_cycle is not None) == native, flags
+
+
+def test_train_auto_precision_on_cpu_is_what_devices_reports(catalog):
+    from gpuwise.train.engine import resolve_precision
+
+    dev = detect(catalog)
+    assert resolve_precision("auto", "cpu") == ("bf16-mixed" if dev.cpu.bf16_native else "32-true")
+    if not dev.cuda and not dev.mps:
+        assert dev.train_default()["precision"] == resolve_precision("auto", "cpu")
 
 
 def test_detect_runs_here(catalog):

@@ -1,6 +1,6 @@
 """Macro benchmarks: one training step of a workload's model (`Workload.bench_step`) at a fixed size, on
 synthetic inputs of the real shapes (data loading is not what is measured here), in the precision
-`gpuwise train` would pick on the device (bf16 autocast on a bf16 GPU, fp32 on the CPU)."""
+`gpuwise train` would pick on the device (bf16 autocast on a bf16 GPU or a CPU with bf16 instructions, else fp32)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 import numpy as np
 import torch
 
+from gpuwise.hardware.cpu import detect_cpu
 from gpuwise.hardware.devices import bf16_native
 from gpuwise.plan.optim import adamw
 from gpuwise.workloads.registry import get
@@ -22,7 +23,10 @@ def throughput(name: str, device: torch.device, steps: int, min_time: float = 0.
     torch.manual_seed(0)
     model, loss_fn, samples, tokens = get(name).bench_step(device, batch)
     opt = adamw(model.parameters(), 1e-4, device.type)  # as gpuwise train's step
-    bf16 = device.type == "cuda" and bf16_native(device.index or 0)  # what `gpuwise train` picks there
+    # What `gpuwise train` picks there, so that the efficiency bench calibrates is the one train runs at.
+    bf16 = (
+        bf16_native(device.index or 0) if device.type == "cuda" else device.type == "cpu" and detect_cpu().bf16_native
+    )
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):

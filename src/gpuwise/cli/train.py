@@ -55,8 +55,8 @@ def train(
     precision: Annotated[
         str,
         typer.Option(
-            help="auto (bf16-mixed on bf16 GPUs, 16-mixed on older ones, 32-true on "
-            "CPU), 32-true, bf16-mixed, 16-mixed, bf16-true."
+            help="auto (bf16-mixed on bf16 GPUs and on CPUs with AMX or AVX512-BF16, 16-mixed on "
+            "older GPUs, else 32-true), 32-true, bf16-mixed, 16-mixed, bf16-true."
         ),
     ] = "auto",
     strategy: Annotated[str, typer.Option(help="auto (DDP when several processes), ddp, fsdp.")] = "auto",

@@ -55,6 +55,12 @@ class CpuInfo:
         return self.cores * self.bf16_flop_per_cycle * self.clock_ghz
 
     @property
+    def bf16_native(self) -> bool:
+        """Whether bf16 matmuls run on bf16 instructions (AMX or AVX512-BF16) rather than emulated at or
+        below the fp32 rate: the CPU half of the one bf16 rule (`hardware.devices.bf16_native` is the GPU half)."""
+        return self.bf16_flop_per_cycle is not None
+
+    @property
     def derivation(self) -> str:
         clock = f"{self.clock_ghz:.2f} GHz" if self.clock_ghz else "unknown clock"
         peak = f" = {self.fp32_peak_gflops:.0f} GFLOP/s" if self.fp32_peak_gflops else ""

@@ -33,7 +33,7 @@ class Devices:
     torch_version: str | None
 
     def train_default(self) -> dict:
-        return choose_engine(self.cuda, self.mps)
+        return choose_engine(self.cuda, self.mps, self.cpu.bf16_native)
 
     def as_dict(self) -> dict:
         return {
@@ -61,8 +61,9 @@ def bf16_native(index: int = 0) -> bool:
     return major >= 8
 
 
-def choose_engine(cuda: list[GpuInfo], mps: bool) -> dict:
-    """cuda > mps > cpu; bf16-mixed where every GPU has native bf16, 16-mixed on older GPUs, 32-true on CPU."""
+def choose_engine(cuda: list[GpuInfo], mps: bool, cpu_bf16: bool = False) -> dict:
+    """cuda > mps > cpu; bf16-mixed where every GPU has native bf16, 16-mixed on older GPUs; on a CPU,
+    bf16-mixed where it has bf16 instructions (`CpuInfo.bf16_native`), else 32-true."""
     if cuda:
         bf16 = all(g.bf16 for g in cuda)
         return {
@@ -75,11 +76,20 @@ def choose_engine(cuda: list[GpuInfo], mps: bool) -> dict:
         }
     if mps:
         return {"accelerator": "mps", "devices": 1, "precision": "16-mixed", "why": "Apple GPU: fp16 autocast"}
+    if cpu_bf16:
+        # Measured on a 2-core Sapphire Rapids VM (AMX): a product-lm LoRA step 1.6x, the defect CNN's
+        # 1.55x faster than fp32, with the same held-out quality (README: "bf16 on a CPU").
+        return {
+            "accelerator": "cpu",
+            "devices": 1,
+            "precision": "bf16-mixed",
+            "why": "no GPU found: bf16 autocast on the CPU, which has bf16 instructions (AMX or AVX512-BF16)",
+        }
     return {
         "accelerator": "cpu",
         "devices": 1,
         "precision": "32-true",
-        "why": "no GPU found: full fp32 on the CPU",
+        "why": "no GPU found: full fp32 on the CPU (no bf16 instructions: emulated bf16 is slower)",
     }
 
 
@@ -149,7 +159,7 @@ def cpu_accelerator(cpu: CpuInfo) -> Accelerator:
 
 def here(catalog: Catalog) -> tuple[Accelerator, str]:
     """What `gpuwise train` would run on here, as a catalog row, and the precision it would pick there
-    (planner names): the first CUDA GPU's row, else this CPU in fp32. A GPU the catalog does not know is
+    (planner names): the first CUDA GPU's row, else this CPU. A GPU the catalog does not know is
     refused rather than planned as the CPU, which train would not use."""
     dev = detect(catalog)
     if dev.cuda:
@@ -159,4 +169,4 @@ def here(catalog: Catalog) -> tuple[Accelerator, str]:
                 f"this machine's GPU ({gpu.name}) is not in the catalog: pass --gpu SLUG, or add it with --catalog FILE"
             )
         return catalog.get(gpu.catalog_slug), PLAN_PRECISION[choose_engine(dev.cuda, mps=False)["precision"]]
-    return cpu_accelerator(dev.cpu), PLAN_PRECISION[choose_engine([], mps=False)["precision"]]
+    return cpu_accelerator(dev.cpu), PLAN_PRECISION[choose_engine([], False, dev.cpu.bf16_native)["precision"]]

@@ -31,8 +31,9 @@ def resolve_accelerator(requested: str) -> str:
 
 
 def resolve_precision(requested: str, accelerator: str) -> str:
-    """bf16-mixed where every GPU has native bf16, 16-mixed on older GPUs and MPS, 32-true on the CPU:
-    the choice `gpuwise devices` reports, by the same rule (`bf16_native`)."""
+    """bf16-mixed where every GPU has native bf16, 16-mixed on older GPUs and MPS; on the CPU bf16-mixed
+    where it has bf16 instructions, else 32-true: the choice `gpuwise devices` reports, by the same rule
+    (`bf16_native`, `CpuInfo.bf16_native`)."""
     if requested != "auto":
         return requested
     if accelerator == "cuda":
@@ -41,7 +42,9 @@ def resolve_precision(requested: str, accelerator: str) -> str:
         return "bf16-mixed" if native else "16-mixed"
     if accelerator == "mps":
         return "16-mixed"
-    return "32-true"
+    from gpuwise.hardware.cpu import detect_cpu
+
+    return "bf16-mixed" if detect_cpu().bf16_native else "32-true"
 
 
 def resolve_strategy(requested: str, processes: int) -> str:
