@@ -107,15 +107,23 @@ def test_the_open_webui_call_pattern(run):
         assert chunks[-1]["usage"]["total_tokens"] > 0
 
 
+def freed(c, why: str) -> None:
+    deadline = time.time() + 5
+    while "gpuwise_num_requests_running 0.0" not in c.get("/metrics").text:
+        assert time.time() < deadline, why
+        time.sleep(0.02)
+
+
 def test_a_disconnect_mid_stream_frees_the_slot_and_a_full_queue_is_a_429(run):
     with Server(run, limits={"max_tokens": 500, "max_seqs": 1, "max_queue": 1}) as c:
         ask = {"model": MODEL, "prompt": "This coffee", "max_tokens": 500, "temperature": 0, "stream": True}
         with c.stream("POST", "/v1/completions", json=ask) as s:
             next(line for line in s.iter_lines() if line.startswith("data: "))
-        deadline = time.time() + 5
-        while "gpuwise_num_requests_running 0.0" not in c.get("/metrics").text:
-            assert time.time() < deadline, "the dropped stream still holds its slot"
-            time.sleep(0.02)
+        freed(c, "the dropped stream still holds its slot")
+        # A client that gives up on a whole (non-streaming) answer frees its slot too.
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json=ask | {"stream": False}, timeout=1.0)
+        freed(c, "the abandoned request still holds its slot")
 
         async def crowd():
             oa = openai.AsyncOpenAI(base_url=f"{c.base_url}/v1", api_key="x", max_retries=0)
