@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from gpuwise.serve.engine import Engine, Params, QueueFull, Sequence, SlotCache
+from gpuwise.serve.engine import Engine, Params, QueueFull, Sequence, ShuttingDown, SlotCache
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +130,8 @@ def test_the_waiting_queue_is_bounded(tiny):
             seq.cancel()
     finally:
         e.close()
+    with pytest.raises(ShuttingDown):  # a 503, not a 429: coming back later will not help
+        submit(e, tok, texts[0])
 
 
 def test_stop_strings_end_the_answer_before_them(tiny):

@@ -362,7 +362,9 @@ def test_connections_beyond_the_bound_get_a_503(runs):
         try:
             time.sleep(0.2)
             r = httpx.get(str(c.base_url) + "/health")
-            assert r.status_code == 503
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            error = r.json()["error"]  # OpenAI's shape, as every other error, not uvicorn's plain text
+            assert error["type"] == "service_unavailable" and "connections are open" in error["message"]
         finally:
             for s in idle:
                 s.close()

@@ -252,14 +252,44 @@ def create_app(served, settings: Settings, run_id: str, precision: str):
     return Guard(app, settings.api_key, limits, metrics, cors=bool(settings.cors_origins))
 
 
-def _protocol_with_header_deadline(read_timeout_s: float):
+def _unavailable_app(max_connections: int):
+    """The 503 for a request beyond `--max-connections`, in the error shape of every other answer (OpenAI's),
+    with a Retry-After; uvicorn's own is a plain-text "Service Unavailable" no OpenAI client can parse."""
+    import json
+
+    body = json.dumps(
+        error_body(503, f"server busy: {max_connections} connections are open (the bound); retry in 1 s")
+    ).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", b"1"),
+        (b"connection", b"close"),
+    ]
+
+    async def unavailable(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    return unavailable
+
+
+def _protocol_with_header_deadline(read_timeout_s: float, max_connections: int):
     """uvicorn's HTTP protocol with a deadline on the request's headers. uvicorn times out an idle
     keep-alive connection only after a response; a client that connects and sends nothing, or one
-    header byte every few seconds, would hold its connection forever."""
+    header byte every few seconds, would hold its connection forever. Beyond the connection bound it
+    answers our 503 instead of uvicorn's plain-text one."""
+    from uvicorn.protocols.http.flow_control import service_unavailable
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    unavailable = _unavailable_app(max_connections)
 
     class Protocol(HttpToolsProtocol):
         _header_timer = None
+
+        def _start_asgi_task(self, cycle, app) -> None:
+            # uvicorn swaps in `service_unavailable` before any app or middleware sees the request.
+            super()._start_asgi_task(cycle, unavailable if app is service_unavailable else app)
 
         def _arm(self) -> None:
             self._disarm()
@@ -306,7 +336,7 @@ def server_config(app, host: str, port: int, limits: Limits, grace: float = 30.0
         host=host,
         port=port,
         log_level="warning",
-        http=_protocol_with_header_deadline(limits.read_timeout_s),
+        http=_protocol_with_header_deadline(limits.read_timeout_s, limits.max_connections),
         limit_concurrency=limits.max_connections,
         timeout_keep_alive=5,
         # uvicorn's annotation says int, but it only hands the value to asyncio.wait_for, which takes a float.

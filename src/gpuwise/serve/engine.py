@@ -42,6 +42,10 @@ class QueueFull(Exception):
     """The waiting queue is at its bound: the client should come back later (a 429)."""
 
 
+class ShuttingDown(Exception):
+    """The engine has stopped taking requests (a 503)."""
+
+
 @dataclass
 class Params:
     max_tokens: int
@@ -207,7 +211,7 @@ class Engine:
     def submit(self, seq: Sequence) -> None:
         with self.cv:
             if self.closed:
-                raise QueueFull("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting already (the bound)")
             self.waiting.append(seq)

@@ -26,6 +26,7 @@ from gpuwise.serve.engine import (
     Params,
     QueueFull,
     Sequence,
+    ShuttingDown,
     kv_budget,
     kv_bytes_per_token,
     kv_shape,
@@ -228,6 +229,8 @@ class LLM:
             raise ClientError(
                 429, f"server busy: {e}; retry in {RETRY_AFTER_S} s", {"Retry-After": str(RETRY_AFTER_S)}
             ) from None
+        except ShuttingDown as e:
+            raise ClientError(503, str(e)) from None
         return seq, queue
 
     async def _events(self, seq: Sequence, queue: asyncio.Queue, request: Request | None) -> AsyncIterator[dict]:
