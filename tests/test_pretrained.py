@@ -55,6 +55,26 @@ def test_lora_on_the_real_base_reports_bits_per_byte_before_and_after(smollm2, t
     assert code == 0 and json.loads(capsys.readouterr().out)[0]["prompt"] == "coffee"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["qlora", "full"])
+def test_qlora_with_merge_and_full_fine_tuning_run_on_the_real_base(method, smollm2, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    data = reviews_jsonl(tmp_path / "reviews.jsonl", n=40)
+    run = tmp_path / method
+    argv = ["train", "product-lm", "--data", str(data), "--method", method, "--max-steps", "1", "--batch-size", "2",
+            "--block-size", "64", "--run-dir", str(run), "--json"] + (["--merge"] if method == "qlora" else [])
+    assert main(argv) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["data"]["method"] == method and s["data"]["base"].startswith("smollm2-135m-instruct")
+    assert s["eval"]["bits_per_byte"] > 0 and s["baseline"]["bits_per_byte"] > 0
+    model = AutoModelForCausalLM.from_pretrained(run / "model")  # standalone: loads without peft or the base
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    code = main(["predict", str(run), "coffee", "--max-tokens", "2", "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)[0]["prompt"] == "coffee"
+
+
 def one_line(capsys, argv) -> str:
     assert main(argv) == 2
     captured = capsys.readouterr()
