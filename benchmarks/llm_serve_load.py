@@ -143,7 +143,8 @@ async def level(url: str, model: str, concurrency: int, requests: int) -> dict:
             return await one(client, model, PROMPTS[i % len(PROMPTS)])
 
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(gated(i) for i in range(requests)))
+    async with client:  # closed inside the loop: asyncio.run's teardown would otherwise find it open
+        results = await asyncio.gather(*(gated(i) for i in range(requests)))
     wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in results)
     tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
