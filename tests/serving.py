@@ -35,10 +35,11 @@ class Server:
         from gpuwise.workloads.serving import Limits
 
         limits = Limits(**settings.pop("limits", {}))
+        dtype = settings.pop("dtype", "auto")  # language models: as `gpuwise serve --dtype`
         if is_run(Path(run)):
-            self.served, _ = load_served(Path(run), settings.get("runtime", "torch"), limits)
+            self.served, _ = load_served(Path(run), settings.get("runtime", "torch"), limits, dtype)
         else:
-            self.served = load_model(str(run), limits)
+            self.served = load_model(str(run), limits, dtype=dtype)
         app = create_app(self.served, Settings(str(run), limits=limits, **settings), run_id=Path(run).name,
                          precision="fp32")
         with socket.socket() as s:

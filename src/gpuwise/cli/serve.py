@@ -81,7 +81,10 @@ def serve(
         int, typer.Option(min=0, max=1_000_000, help="Language models: requests waiting at most; a 429 beyond.")
     ] = 256,
     dtype: Annotated[
-        str, typer.Option(help="Language models: auto (bf16 where the GPU or CPU computes it, else fp32), fp32, bf16, fp16.")
+        str,
+        typer.Option(
+            help="Language models: auto (bf16 where the GPU or CPU computes it, else fp32), fp32, bf16, fp16."
+        ),
     ] = "auto",
     cors_origin: Annotated[
         list[str] | None,
