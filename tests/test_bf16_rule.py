@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpuwise.cli import main
-from gpuwise.hardware.devices import bf16_native
+from gpuwise.hardware.devices import bf16_native, computes_bf16
 from gpuwise.train.engine import resolve_precision
 
 CARDS = {
@@ -47,6 +47,7 @@ def test_devices_and_train_agree(card, capsys):
     assert out["cuda"][0]["bf16"] is native
     assert out["train_default"]["precision"] == precision
     assert resolve_precision("auto", "cuda") == precision
+    assert computes_bf16("cuda") is native  # what bench calibrates in and serve --dtype auto loads
 
 
 def test_no_cuda_means_no_native_bf16(monkeypatch):

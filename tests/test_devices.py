@@ -1,7 +1,7 @@
 """Device detection: the FLOP/cycle rules, the engine choice, and a real detection here."""
 
 from gpuwise.hardware.cpu import detect_cpu, flop_per_cycle
-from gpuwise.hardware.devices import GpuInfo, choose_engine, detect
+from gpuwise.hardware.devices import GpuInfo, choose_engine, computes_bf16, detect
 
 
 def test_zen4_and_xeon_flop_per_cycle_match_the_reference_derivations():
@@ -61,6 +61,7 @@ def test_train_auto_precision_on_cpu_is_what_devices_reports(catalog):
 
     dev = detect(catalog)
     assert resolve_precision("auto", "cpu") == ("bf16-mixed" if dev.cpu.bf16_native else "32-true")
+    assert computes_bf16("cpu") is dev.cpu.bf16_native and not computes_bf16("mps")
     if not dev.cuda and not dev.mps:
         assert dev.train_default()["precision"] == resolve_precision("auto", "cpu")
 

@@ -9,8 +9,7 @@ import time
 import numpy as np
 import torch
 
-from gpuwise.hardware.cpu import detect_cpu
-from gpuwise.hardware.devices import bf16_native
+from gpuwise.hardware.devices import computes_bf16
 from gpuwise.plan.optim import adamw
 from gpuwise.workloads.registry import get
 
@@ -24,9 +23,7 @@ def throughput(name: str, device: torch.device, steps: int, min_time: float = 0.
     model, loss_fn, samples, tokens = get(name).bench_step(device, batch)
     opt = adamw(model.parameters(), 1e-4, device.type)  # as gpuwise train's step
     # What `gpuwise train` picks there, so that the efficiency bench calibrates is the one train runs at.
-    bf16 = (
-        bf16_native(device.index or 0) if device.type == "cuda" else device.type == "cpu" and detect_cpu().bf16_native
-    )
+    bf16 = computes_bf16(device.type, device.index or 0)
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):

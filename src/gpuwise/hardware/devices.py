@@ -61,6 +61,14 @@ def bf16_native(index: int = 0) -> bool:
     return major >= 8
 
 
+def computes_bf16(device_type: str, index: int = 0) -> bool:
+    """The one bf16 rule, for any device: a CUDA GPU by `bf16_native`, a CPU by its instructions
+    (`CpuInfo.bf16_native`); MPS and others no. `train`, `bench` and `serve` all ask this."""
+    if device_type == "cuda":
+        return bf16_native(index)
+    return device_type == "cpu" and detect_cpu().bf16_native
+
+
 def choose_engine(cuda: list[GpuInfo], mps: bool, cpu_bf16: bool = False) -> dict:
     """cuda > mps > cpu; bf16-mixed where every GPU has native bf16, 16-mixed on older GPUs; on a CPU,
     bf16-mixed where it has bf16 instructions (`CpuInfo.bf16_native`), else 32-true."""

@@ -131,16 +131,14 @@ class LLM:
     def __init__(self, groups: list, limits: Limits, workload: str = "llm", about: str = "", dtype: str = "auto"):
         import torch
 
-        from gpuwise.hardware.cpu import detect_cpu
-        from gpuwise.hardware.devices import bf16_native
+        from gpuwise.hardware.devices import computes_bf16
 
         self.limits, self.workload = limits, workload
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype == "auto":  # bf16 where the hardware computes it; fp32 elsewhere (emulated bf16 is slower)
             # On a 2-core Xeon with AMX, bf16 served SmolLM2 faster than fp32 at every concurrency
             # (17.7 / 97.7 / 247 against 16.5 / 71.6 / 197 tokens/s at 1 / 8 / 32: benchmarks/llm_serve_load.py).
-            native = bf16_native() if self.device == "cuda" else detect_cpu().bf16_native
-            dtype = "bf16" if native else "fp32"
+            dtype = "bf16" if computes_bf16(self.device) else "fp32"
         self.precision = dtype
         self.created = int(time.time())
         self.stats: list[EngineStats] = []

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from gpuwise.errors import GpuwiseError
-from gpuwise.hardware.devices import bf16_native
+from gpuwise.hardware.devices import bf16_native, computes_bf16
 from gpuwise.plan.sharding import fully_shard_model
 from gpuwise.train.config import TrainConfig
 
@@ -42,9 +42,7 @@ def resolve_precision(requested: str, accelerator: str) -> str:
         return "bf16-mixed" if native else "16-mixed"
     if accelerator == "mps":
         return "16-mixed"
-    from gpuwise.hardware.cpu import detect_cpu
-
-    return "bf16-mixed" if detect_cpu().bf16_native else "32-true"
+    return "bf16-mixed" if computes_bf16("cpu") else "32-true"
 
 
 def resolve_strategy(requested: str, processes: int) -> str:
