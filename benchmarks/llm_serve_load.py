@@ -1,13 +1,16 @@
 """An LLM behind the OpenAI API under load: `gpuwise serve` against `transformers serve` (with and without its
 continuous batching), SmolLM2-135M-Instruct, the official `openai` client as the load generator.
 
-Run: .venv/bin/python benchmarks/llm_serve_load.py [--dtypes fp32,bf16] [--servers gpuwise,hf,hf-cb]
+Run: .venv/bin/python benchmarks/llm_serve_load.py [--dtypes fp32,bf16] [--servers gpuwise,hf,hf-cb] [--rounds 2]
 
-Each server is a fresh process on loopback, given the same converted model directory and dtype. After one
-warm-up request, each concurrency level (1, 8, 32) sends a fixed number of streaming chat requests (8 fixed
-prompts in turn, max_tokens 64, temperature 0) through `AsyncOpenAI`, at most `concurrency` at a time.
-Per level: output tokens/s (completion tokens of all requests / wall time), time to first token p50 and
-p99, and time per output token (after the first) p50. Each figure is also shown against this machine's
+Each server is a fresh process on loopback, given the same converted model directory and dtype; all of a
+dtype's servers are up at once (the CPU time each takes while idle is printed: none should) and take turns.
+After one warm-up request each, each concurrency level (1, 8, 32) sends a fixed number of streaming chat
+requests (8 fixed prompts in turn, max_tokens 64, temperature 0) through `AsyncOpenAI`, at most
+`concurrency` at a time, to each server in turn, for `--rounds` rounds with the servers' order alternating
+(the speed of a shared VM drifts over minutes). Per level, over all rounds: output tokens/s (completion
+tokens of all requests / wall time), time to first token p50 and p99, and time per output token (after
+the first) p50. Each figure is also shown against this machine's
 bound, measured in the same run: at concurrency 1, decoding reads every weight once per token, so the
 bound is memory bandwidth (STREAM copy) / weight bytes; at 32, the bound is the measured matmul rate /
 (2 x parameters) FLOPs per token.
@@ -132,7 +135,8 @@ async def one(client, model: str, prompt: str) -> dict:
     return {"ttft": (first or end) - t0, "e2e": end - t0, "tokens": tokens}
 
 
-async def level(url: str, model: str, concurrency: int, requests: int) -> dict:
+async def level(url: str, model: str, concurrency: int, requests: int) -> tuple[list[dict], float]:
+    """Each request's timings, and the wall time of all of them."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
@@ -145,17 +149,28 @@ async def level(url: str, model: str, concurrency: int, requests: int) -> dict:
     t0 = time.perf_counter()
     async with client:  # closed inside the loop: asyncio.run's teardown would otherwise find it open
         results = await asyncio.gather(*(gated(i) for i in range(requests)))
-    wall = time.perf_counter() - t0
+    return results, time.perf_counter() - t0
+
+
+def summarize(rounds: list[tuple[list[dict], float]]) -> dict:
+    """One level's figures over all its rounds: tokens / wall, and percentiles over every request."""
+    results = [r for done, _ in rounds for r in done]
     tokens = sum(r["tokens"] for r in results)
     tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
     ttft = np.array([r["ttft"] for r in results])
     return {
-        "tokens_per_s": tokens / wall,
+        "tokens_per_s": tokens / sum(wall for _, wall in rounds),
         "ttft_p50": float(np.percentile(ttft, 50)),
         "ttft_p99": float(np.percentile(ttft, 99)),
         "tpot_p50": float(np.median(tpot)) if tpot else float("nan"),
         "tokens": tokens,
     }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc), to show that an idle server takes none."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bounds(params: int, dtype: str) -> dict[int, float]:
@@ -174,6 +189,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default=None, help="fp32,bf16 (default: fp32, plus bf16 where it is native)")
     ap.add_argument("--servers", default="gpuwise,hf,hf-cb")
+    ap.add_argument("--rounds", type=int, default=2, help="each level, each server, this many times, interleaved")
     args = ap.parse_args()
 
     from gpuwise.hardware.cpu import detect_cpu
@@ -187,22 +203,43 @@ def main() -> None:
     names = {"gpuwise": "gpuwise serve", "hf": "transformers serve", "hf-cb": "transformers serve --cb"}
     logs = Path(tempfile.mkdtemp())
     rows = []
+    kinds = args.servers.split(",")
     for dtype in dtypes:
         bound = bounds(params, dtype)
-        for kind in args.servers.split(","):
-            proc, url, model = start(kind, model_dir, dtype, logs / f"{kind}-{dtype}.log")
-            try:
-                asyncio.run(level(url, model, 1, 1))  # warm-up
+        servers = {}
+        try:
+            for kind in kinds:
+                servers[kind] = start(kind, model_dir, dtype, logs / f"{kind}-{dtype}.log")
+                asyncio.run(level(servers[kind][1], servers[kind][2], 1, 1))  # warm-up
+            idle = {kind: cpu_seconds(proc.pid) for kind, (proc, _, _) in servers.items()}
+            time.sleep(5)
+            idle = {kind: cpu_seconds(servers[kind][0].pid) - t for kind, t in idle.items()}
+            print(
+                f"{dtype}: CPU seconds each idle server took in 5 s: "
+                + ", ".join(f"{names[k]} {t:.2f}" for k, t in idle.items()),
+                file=sys.stderr,
+            )
+            # All servers stay up and take turns at each level, the order alternating by round: this
+            # shared VM's speed drifts by 25 % over minutes, which one server after another would read
+            # as a difference between servers.
+            done: dict[tuple[str, int], list] = {(k, c): [] for k in kinds for c in LEVELS}
+            for r in range(args.rounds):
                 for c, n in LEVELS.items():
-                    r = asyncio.run(level(url, model, c, n))
-                    rows.append((dtype, names[kind], c, r, bound[c]))
-                    print(f"{dtype} {names[kind]} c={c}: {r['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
-            finally:
+                    for kind in kinds if r % 2 == 0 else kinds[::-1]:
+                        _, url, model = servers[kind]
+                        done[kind, c].append(asyncio.run(level(url, model, c, n)))
+                        tps = sum(x["tokens"] for x in done[kind, c][-1][0]) / done[kind, c][-1][1]
+                        print(
+                            f"{dtype} round {r + 1} {names[kind]} c={c}: {tps:.1f} tok/s", file=sys.stderr, flush=True
+                        )
+        finally:
+            for proc, _, _ in servers.values():
                 proc.terminate()
                 proc.wait(30)
+        rows += [(dtype, names[k], c, summarize(done[k, c]), bound[c]) for k in kinds for c in LEVELS]
     print(
         f"SmolLM2-135M-Instruct, streaming chat, max_tokens 64, temperature 0; {os.cpu_count()} CPUs; "
-        f"requests per level {LEVELS}"
+        f"requests per level {LEVELS}, {args.rounds} rounds, servers interleaved"
     )
     print(
         f"{'dtype':<6}{'server':<26}{'conc':>5}{'tok/s':>9}{'of bound':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
