@@ -192,13 +192,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="each level, each server, this many times, interleaved")
     args = ap.parse_args()
 
-    from gpuwise.hardware.cpu import detect_cpu
+    from gpuwise.hardware.devices import computes_bf16
     from gpuwise.workloads.pretrained import resolve_base
 
     model_dir = resolve_base("smollm2-135m-instruct")
-    isa = detect_cpu().isa
-    native_bf16 = any(f in isa for f in ("avx512_bf16", "amx_bf16"))
-    dtypes = args.dtypes.split(",") if args.dtypes else ["fp32"] + (["bf16"] if native_bf16 else [])
+    dtypes = args.dtypes.split(",") if args.dtypes else ["fp32"] + (["bf16"] if computes_bf16("cpu") else [])
     params = 134_515_008  # SmolLM2-135M (the GGUF header; `gpuwise plan --model smollm2-135m-instruct`)
     names = {"gpuwise": "gpuwise serve", "hf": "transformers serve", "hf-cb": "transformers serve --cb"}
     logs = Path(tempfile.mkdtemp())
