@@ -107,6 +107,11 @@ def test_the_open_webui_call_pattern(run):
         assert chunks[-1]["usage"]["total_tokens"] > 0
 
 
+def generated(c) -> float:
+    line = next(x for x in c.get("/metrics").text.splitlines() if x.startswith("gpuwise_generation_tokens_total"))
+    return float(line.split()[-1])
+
+
 def freed(c, why: str) -> None:
     deadline = time.time() + 5
     while "gpuwise_num_requests_running 0.0" not in c.get("/metrics").text:
@@ -120,10 +125,13 @@ def test_a_disconnect_mid_stream_frees_the_slot_and_a_full_queue_is_a_429(run):
         with c.stream("POST", "/v1/completions", json=ask) as s:
             next(line for line in s.iter_lines() if line.startswith("data: "))
         freed(c, "the dropped stream still holds its slot")
-        # A client that gives up on a whole (non-streaming) answer frees its slot too.
+        # A client that gives up on a whole (non-streaming) answer frees its slot too, and its generation
+        # stops there: it does not run on to max_tokens for nobody.
+        before = generated(c)
         with pytest.raises(httpx.ReadTimeout):
-            c.post("/v1/completions", json=ask | {"stream": False}, timeout=1.0)
+            c.post("/v1/completions", json=ask | {"stream": False}, timeout=0.3)
         freed(c, "the abandoned request still holds its slot")
+        assert generated(c) - before < ask["max_tokens"]
 
         async def crowd():
             oa = openai.AsyncOpenAI(base_url=f"{c.base_url}/v1", api_key="x", max_retries=0)

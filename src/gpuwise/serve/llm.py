@@ -136,8 +136,9 @@ class LLM:
         self.limits, self.workload = limits, workload
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype == "auto":  # bf16 where the hardware computes it; fp32 elsewhere (emulated bf16 is slower)
-            # On a 2-core Xeon with AMX, bf16 served SmolLM2 faster than fp32 at every concurrency
-            # (17.7 / 97.7 / 247 against 16.5 / 71.6 / 197 tokens/s at 1 / 8 / 32: benchmarks/llm_serve_load.py).
+            # On a 2-core Xeon with AMX, bf16 served SmolLM2 faster than fp32 from concurrency 8 up and slower
+            # at 1 (121 / 246 against 84 / 180 tokens/s at 8 / 32; 19.9 against 22.3 at 1: benchmarks/
+            # llm_serve_load.py, servers interleaved), and a server is for many clients.
             dtype = "bf16" if computes_bf16(self.device) else "fp32"
         self.precision = dtype
         self.created = int(time.time())
