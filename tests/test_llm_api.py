@@ -9,7 +9,10 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from serving import Server, trained
+
+from gpuwise.serve.packed import packable
 
 MODEL = "product-lm"  # the run directory's name, which the server gives as the model id
 
@@ -220,6 +223,9 @@ def test_a_model_directory_is_served_with_its_chat_template_and_its_plan(model_d
     width = {"fp32": 4, "bf16": 2}[llm.precision]
     assert llm.engine.cache.bytes_per_token() == llm.planned_kv_bytes_per_token() == 2 * 2 * 1 * 16 * width
     assert "budget" in llm.plan() and "KiB per token" in llm.plan()
+    # bf16 on a CPU: every linear layer was packed for oneDNN (2 layers x 7, and the output layer)
+    packs = llm.precision == "bf16" and packable("cpu", torch.bfloat16)
+    assert ("15 linear layers packed for oneDNN" in llm.plan()) == packs
 
 
 def test_the_named_base_answers_a_chat(capsys):

@@ -10,9 +10,10 @@ One engine thread owns the model. Each turn of its loop it
 
 Why not transformers' own continuous batching (`generate_batch`, `transformers serve
 --continuous-batching`): `benchmarks/llm_serve_load.py` (SmolLM2-135M, 32 concurrent streams) measured this
-engine at 1.28x it on 2 Zen 3 cores in fp32 (servers one after another), and at 1.54x in fp32 but 1.02x in
-bf16 on 2 Xeon cores with AMX (servers interleaved; 2026-12-01): never behind at 32, and it also runs
-one LoRA adapter per row and admits by the KV budget, which `generate_batch` does not.
+engine at 1.28x it on 2 Zen 3 cores in fp32 (servers one after another), and on 2 Xeon cores with AMX
+(servers interleaved) at 1.54x in fp32 and, with the linears packed for oneDNN (serve/packed.py), 1.28x
+in bf16 (1.02x before): never behind at 32, and it also runs one LoRA adapter per row and admits by the
+KV budget, which `generate_batch` does not.
 Here the KV cache is one dense tensor per layer with a row per running sequence (`SlotCache`); the
 model is transformers' own forward, given that cache, per-row positions and a 4-D mask, so any model
 transformers loads (Llama, Qwen2, Mistral, Gemma...) runs unchanged.

@@ -31,6 +31,7 @@ from gpuwise.serve.engine import (
     kv_bytes_per_token,
     kv_shape,
 )
+from gpuwise.serve.packed import pack_linears, packable
 from gpuwise.workloads.serving import ClientError, Limits, ServeContext, Text
 
 RETRY_AFTER_S = 1  # what a 429 tells the client: the queue moves every decode step (tens of ms)
@@ -75,6 +76,8 @@ class Backend:
         self.tok, self.precision = tok, dtype
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         self.model = model.to(device, torch_dtype).eval()
+        # bf16 on a CPU: the weights reordered for oneDNN once, not at every call (serve/packed.py)
+        self.packed, self.packed_bytes = pack_linears(self.model) if packable(device, torch_dtype) else (0, 0)
         self.context = int(getattr(model.config, "max_position_embeddings", None) or 2048)
         self.kv_bytes_per_token = kv_bytes_per_token(*kv_shape(model.config), torch_dtype)
         self.kv_budget = kv_budget(_free_bytes(device), self.kv_bytes_per_token, self.context, limits.max_seqs)
@@ -117,6 +120,11 @@ class Backend:
             f"{per_token / 1024:.1f} KiB per token ({BYTES[precision]} bytes x 2 x layers x KV heads x head dim); "
             f"budget {self.kv_budget:,} tokens: up to {self.engine.max_seqs} sequences at once, "
             f"{full:,} of them at the full context of {self.context:,}"
+            + (
+                f"; {self.packed} linear layers packed for oneDNN (+{self.packed_bytes / 1e6:.0f} MB for tied weights)"
+                if self.packed
+                else ""
+            )
         )
 
 
@@ -136,9 +144,9 @@ class LLM:
         self.limits, self.workload = limits, workload
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype == "auto":  # bf16 where the hardware computes it; fp32 elsewhere (emulated bf16 is slower)
-            # On a 2-core Xeon with AMX, bf16 served SmolLM2 faster than fp32 from concurrency 8 up and slower
-            # at 1 (121 / 246 against 84 / 180 tokens/s at 8 / 32; 19.9 against 22.3 at 1: benchmarks/
-            # llm_serve_load.py, servers interleaved), and a server is for many clients.
+            # On a 2-core Xeon with AMX, bf16 (linears packed for oneDNN) decoded SmolLM2 1.75x / 1.61x faster
+            # than fp32 at batch 8 / 32 and 0.94x at 1 (benchmarks/engine_step.py, in one process), and a
+            # server is for many clients.
             dtype = "bf16" if computes_bf16(self.device) else "fp32"
         self.precision = dtype
         self.created = int(time.time())

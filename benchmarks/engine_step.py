@@ -1,0 +1,124 @@
+"""One decode step of the serving engine, in one process, side by side: bf16 with its linears packed for oneDNN
+(what `gpuwise serve` runs on a CPU with native bf16), bf16 plain, fp32, and transformers' `generate` at the
+same batch, on SmolLM2-135M-Instruct.
+
+Run: .venv/bin/python benchmarks/engine_step.py [--batches 1,8,32] [--rounds 3] [--steps 16]
+
+No server, no client: the engine's `_prefill` and `_decode` called directly, so what it shows is the model's
+step and the engine's own bookkeeping. Each round measures every variant at every batch, the order
+alternating by round (this shared VM's speed drifts by tens of per cent over minutes; one variant after
+another would read the drift as a difference). Per (variant, batch): the median decode step over all rounds,
+and tokens/s = batch / step. `generate`'s step: (time for 1 + steps new tokens - time for 1) / steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+
+
+def engine_step(engine, prompt: list[int], batch: int, steps: int) -> list[float]:
+    """Per-step seconds of `steps` decode steps of `batch` copies of `prompt`, after a prefill and one step."""
+    from gpuwise.serve.engine import Params, Sequence
+
+    seqs = [
+        Sequence(list(prompt), Params(max_tokens=steps + 8, temperature=0.0), lambda e: None, time.monotonic() + 600)
+        for _ in range(batch)
+    ]
+    engine.running = list(seqs)
+    engine._prefill(seqs)
+    engine._decode()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine._decode()
+        times.append(time.perf_counter() - t)
+    for s in list(engine.running):
+        engine._end(s, "cancelled")
+    return times
+
+
+def generate_step(model, prompt: list[int], batch: int, steps: int) -> float:
+    ids = torch.tensor([prompt] * batch)
+    mask = torch.ones_like(ids)
+
+    def run(n: int) -> float:
+        t = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - t
+
+    return (run(1 + steps) - run(1)) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=16)
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from gpuwise.serve.engine import Engine
+    from gpuwise.serve.packed import pack_linears, packable
+    from gpuwise.workloads.pretrained import resolve_base
+
+    hf_logging.set_verbosity_error()
+    model_dir = resolve_base("smollm2-135m-instruct")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is a GPU good for?"}], add_generation_prompt=True, tokenize=False
+    )
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    batches = [int(b) for b in args.batches.split(",")]
+
+    def engine(model) -> Engine:
+        e = Engine(model, tok, max_seqs=max(batches), kv_budget_tokens=1 << 20, max_queue=1, context=2048)
+        e.close()  # its thread stops; the benchmark drives the steps itself
+        return e
+
+    fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    variants = {"fp32": engine(fp32), "bf16": engine(bf16)}
+    if packable("cpu", torch.bfloat16):
+        packed = copy.deepcopy(bf16)
+        pack_linears(packed)
+        variants["bf16 packed"] = engine(packed)
+    generate = {"fp32 generate": fp32, "bf16 generate": bf16}
+    names = list(variants) + list(generate)
+    steps: dict[tuple[str, int], list[float]] = {(v, b): [] for v in names for b in batches}
+    with torch.inference_mode():
+        for r in range(args.rounds):
+            for b in batches:
+                for name in names if r % 2 == 0 else names[::-1]:
+                    if name in variants:
+                        steps[name, b] += engine_step(variants[name], ids, b, args.steps)
+                    else:
+                        steps[name, b].append(generate_step(generate[name], ids, b, args.steps))
+            print(f"round {r + 1} of {args.rounds} done", flush=True)
+    print(
+        f"SmolLM2-135M-Instruct, one decode step ({len(ids)}-token prompt), {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}, {args.rounds} rounds interleaved; median ms per step (tokens/s)"
+    )
+    print(f"{'batch':>5}" + "".join(f"{n:>22}" for n in names))
+    for b in batches:
+        cells = []
+        for n in names:
+            ms = statistics.median(steps[n, b]) * 1e3
+            cells.append(f"{ms:.1f} ms ({b / ms * 1e3:.0f}/s)")
+        print(f"{b:>5}" + "".join(f"{c:>22}" for c in cells))
+    if "bf16 packed" in variants:
+        for b in batches:
+            gain = statistics.median(steps["bf16", b]) / statistics.median(steps["bf16 packed", b])
+            vs32 = statistics.median(steps["fp32", b]) / statistics.median(steps["bf16 packed", b])
+            print(f"batch {b}: packed bf16 is {gain:.2f}x plain bf16 and {vs32:.2f}x fp32")
+
+
+if __name__ == "__main__":
+    main()
