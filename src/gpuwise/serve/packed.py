@@ -2,7 +2,7 @@
 
 In bf16 on a CPU, `F.linear` hands oneDNN a plain [out, in] weight, which oneDNN reorders into its blocked
 AMX / AVX512-BF16 layout on every call: at the small batches of decoding that reorder costs more than the
-product. Reordered once at load, SmolLM2's products ran 1.3-2.9x faster on 2 Xeon cores with AMX (batch 1
+product. Reordered once at load, SmolLM2's products ran 1.3-2.8x faster on 2 Xeon cores with AMX (batch 1
 and 32), and a whole decode step 1.11x / 1.24x / 1.19x faster at batch 1 / 8 / 32
 (`benchmarks/engine_step.py`, interleaved in one process), with results bitwise equal to `F.linear` for a
 contiguous input (tests/test_packed.py).
