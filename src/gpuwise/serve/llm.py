@@ -120,11 +120,8 @@ class Backend:
             f"{per_token / 1024:.1f} KiB per token ({BYTES[precision]} bytes x 2 x layers x KV heads x head dim); "
             f"budget {self.kv_budget:,} tokens: up to {self.engine.max_seqs} sequences at once, "
             f"{full:,} of them at the full context of {self.context:,}"
-            + (
-                f"; {self.packed} linear layers packed for oneDNN (+{self.packed_bytes / 1e6:.0f} MB for tied weights)"
-                if self.packed
-                else ""
-            )
+            + (f"; {self.packed} linear layers packed for oneDNN" if self.packed else "")
+            + (f" (+{self.packed_bytes / 1e6:.0f} MB: tied weights held twice)" if self.packed_bytes else "")
         )
 
 

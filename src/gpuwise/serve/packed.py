@@ -59,17 +59,13 @@ def pack_linears(model: nn.Module) -> tuple[int, int]:
     LoRA's own A and B matrices stay as they are (rank r: nothing to gain, and peft reads their weights);
     peft calls the base layer it wraps as a module, so a packed base serves every adapter. A weight that
     another module still holds (an output layer tied to the embedding) is now held twice: the bytes added."""
-    held: dict[int, int] = {}
-    for module in model.modules():
-        if not isinstance(module, nn.Linear):
-            for p in module.parameters(recurse=False):
-                held[id(p)] = held.get(id(p), 0) + 1
+    held = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
     packed = added = 0
     for name, parent in list(model.named_modules()):
         if "lora_" in name:
             continue
         for child_name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.weight.dtype != torch.bfloat16 or child_name.startswith("lora_"):
+            if type(child) is not nn.Linear or child.weight.dtype != torch.bfloat16:
                 continue
             setattr(parent, child_name, PackedLinear(child))
             packed += 1
