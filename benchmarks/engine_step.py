@@ -1,6 +1,7 @@
-"""One decode step of the serving engine, in one process, side by side: bf16 with its linears packed for oneDNN
-(what `gpuwise serve` runs on a CPU with native bf16), bf16 plain, fp32, and transformers' `generate` at the
-same batch, on SmolLM2-135M-Instruct.
+"""One decode step of the serving engine, in one process, side by side, on SmolLM2-135M-Instruct: the fused
+decoder (serve/decoder.py, what `gpuwise serve` runs for a Llama-family model) and transformers' forward
+through the same engine, in fp32 and in bf16 (its linears packed for oneDNN on a CPU with native bf16), and
+transformers' `generate` at the same batch.
 
 Run: .venv/bin/python benchmarks/engine_step.py [--batches 1,8,32] [--rounds 3] [--steps 16]
 
@@ -65,6 +66,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from gpuwise.serve.decoder import FusedDecoder
     from gpuwise.serve.engine import Engine
     from gpuwise.serve.packed import pack_linears, packable
     from gpuwise.workloads.pretrained import resolve_base
@@ -78,18 +80,23 @@ def main() -> None:
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     batches = [int(b) for b in args.batches.split(",")]
 
-    def engine(model) -> Engine:
-        e = Engine(model, tok, max_seqs=max(batches), kv_budget_tokens=1 << 20, max_queue=1, context=2048)
+    def engine(model, fuse: bool = False) -> Engine:
+        decoder = None
+        if fuse:
+            model = copy.deepcopy(model)
+            decoder = FusedDecoder(model, pack=packable("cpu", model.dtype))
+        kw = {"max_seqs": max(batches), "kv_budget_tokens": 1 << 20, "max_queue": 1, "context": 2048}
+        e = Engine(model, tok, decoder=decoder, **kw)
         e.close()  # its thread stops; the benchmark drives the steps itself
         return e
 
     fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
-    variants = {"fp32": engine(fp32), "bf16": engine(bf16)}
+    packed = copy.deepcopy(bf16)
     if packable("cpu", torch.bfloat16):
-        packed = copy.deepcopy(bf16)
         pack_linears(packed)
-        variants["bf16 packed"] = engine(packed)
+    variants = {"fp32": engine(fp32), "fp32 fused": engine(fp32, fuse=True)}
+    variants |= {"bf16": engine(packed), "bf16 fused": engine(bf16, fuse=True)}
     generate = {"fp32 generate": fp32, "bf16 generate": bf16}
     names = list(variants) + list(generate)
     steps: dict[tuple[str, int], list[float]] = {(v, b): [] for v in names for b in batches}
@@ -113,11 +120,15 @@ def main() -> None:
             ms = statistics.median(steps[n, b]) * 1e3
             cells.append(f"{ms:.1f} ms ({b / ms * 1e3:.0f}/s)")
         print(f"{b:>5}" + "".join(f"{c:>22}" for c in cells))
-    if "bf16 packed" in variants:
-        for b in batches:
-            gain = statistics.median(steps["bf16", b]) / statistics.median(steps["bf16 packed", b])
-            vs32 = statistics.median(steps["fp32", b]) / statistics.median(steps["bf16 packed", b])
-            print(f"batch {b}: packed bf16 is {gain:.2f}x plain bf16 and {vs32:.2f}x fp32")
+    print("bf16: its linears packed for oneDNN" if packable("cpu", torch.bfloat16) else "bf16: not packed here")
+    for b in batches:
+        med = {k: statistics.median(v) for (k, bb), v in steps.items() if bb == b}
+        ratio = {d: med[d] / med[f"{d} fused"] for d in ("fp32", "bf16")}
+        vs32 = med["fp32 fused"] / med["bf16 fused"]
+        print(
+            f"batch {b}: fused / transformers' forward = {ratio['fp32']:.2f}x in fp32, {ratio['bf16']:.2f}x in bf16;"
+            f" fused bf16 / fused fp32 = {vs32:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The continuous-batching engine on a tiny Llama (fp32, random weights, built from a config): greedy output
-equals transformers' own `generate`, alone, inside a full batch and when requests join mid-way; finished and
+equals transformers' own `generate`, alone, inside a full batch and when requests join mid-way, through
+transformers' forward and through the fused decoder (serve/decoder.py); finished and
 cancelled sequences free their rows; the waiting queue is bounded."""
 
 import threading
@@ -69,11 +70,14 @@ def engine(model, tok, **kw) -> Engine:
     return Engine(model, tok, **({"max_seqs": 8, "kv_budget_tokens": 8 * 256, "max_queue": 16, "context": 256} | kw))
 
 
-def test_greedy_equals_generate_alone_in_a_full_batch_and_when_joining_midway(tiny):
+@pytest.mark.parametrize("fused", [False, True], ids=["transformers-forward", "fused-decoder"])
+def test_greedy_equals_generate_alone_in_a_full_batch_and_when_joining_midway(tiny, fused):
+    from gpuwise.serve.decoder import FusedDecoder
+
     model, tok, texts = tiny
     prompts = [" ".join(t.split()[: 2 + i]) for i, t in enumerate(texts[:8])]  # 2 to 9 words: ragged
     expected = [reference(model, tok, q) for q in prompts]
-    e = engine(model, tok)
+    e = engine(model, tok, decoder=FusedDecoder(model, pack=False) if fused else None)
     try:
         alone = []
         for q in prompts:

@@ -19,6 +19,7 @@ from fastapi import Request  # at module level: FastAPI resolves the routes' ann
 from pydantic import BaseModel, Field
 
 from gpuwise.serve import protocol as p
+from gpuwise.serve.decoder import fused_decoder
 from gpuwise.serve.engine import (
     GREEDY_BELOW,
     Engine,
@@ -76,8 +77,12 @@ class Backend:
         self.tok, self.precision = tok, dtype
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         self.model = model.to(device, torch_dtype).eval()
-        # bf16 on a CPU: the weights reordered for oneDNN once, not at every call (serve/packed.py)
-        self.packed, self.packed_bytes = pack_linears(self.model) if packable(device, torch_dtype) else (0, 0)
+        pack = packable(device, torch_dtype)  # bf16 on a CPU: weights reordered for oneDNN once (serve/packed.py)
+        self.decoder, self.forward_note = fused_decoder(self.model, pack)
+        if self.decoder is not None:
+            self.packed, self.packed_bytes = self.decoder.packed()
+        else:
+            self.packed, self.packed_bytes = pack_linears(self.model) if pack else (0, 0)
         self.context = int(getattr(model.config, "max_position_embeddings", None) or 2048)
         self.kv_bytes_per_token = kv_bytes_per_token(*kv_shape(model.config), torch_dtype)
         self.kv_budget = kv_budget(_free_bytes(device), self.kv_bytes_per_token, self.context, limits.max_seqs)
@@ -89,6 +94,7 @@ class Backend:
             max_queue=limits.max_queue,
             context=self.context,
             stats=stats,
+            decoder=self.decoder,
         )
 
     def _plan_request(self):
@@ -120,7 +126,8 @@ class Backend:
             f"{per_token / 1024:.1f} KiB per token ({BYTES[precision]} bytes x 2 x layers x KV heads x head dim); "
             f"budget {self.kv_budget:,} tokens: up to {self.engine.max_seqs} sequences at once, "
             f"{full:,} of them at the full context of {self.context:,}"
-            + (f"; {self.packed} linear layers packed for oneDNN" if self.packed else "")
+            + f"; forward: {self.forward_note}"
+            + (f"; {self.packed} weight matrices packed for oneDNN" if self.packed else "")
             + (f" (+{self.packed_bytes / 1e6:.0f} MB: tied weights held twice)" if self.packed_bytes else "")
         )
 

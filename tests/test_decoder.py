@@ -1,0 +1,72 @@
+"""The fused Llama-family forward (serve/decoder.py) against transformers' own, on tiny models built from configs:
+Llama (grouped-query), Qwen2 (biases on q/k/v), Mistral; fp32 and bf16, packed for oneDNN where this CPU can.
+What it does not cover, and a fused forward that disagrees at load, fall back to transformers'."""
+
+import copy
+
+import pytest
+import torch
+
+from gpuwise.serve import decoder as fused
+from gpuwise.serve.packed import packable
+
+
+def tiny(kind: str, **extra):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config_cls, model_cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
+    }[kind]
+    config = config_cls(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                        **extra)
+    return model_cls(config).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_the_fused_forward_gives_transformers_logits(kind, dtype):
+    model = tiny(kind, **({"sliding_window": None} if kind == "mistral" else {})).to(dtype)
+    reference = copy.deepcopy(model)
+    ids = torch.tensor([[5, 17, 101, 44, 9, 250, 3, 77, 12, 60]])
+    with torch.inference_mode():
+        expected = reference(input_ids=ids).logits[0, -1].float()
+    pack = packable("cpu", dtype)
+    decoder, note = fused.fused_decoder(model, pack)
+    assert decoder is not None, note
+    assert "fused decoder" in note
+    # the check at load, done again here on another prompt through the engine's own cache
+    from gpuwise.serve.engine import SlotCache, additive_mask
+
+    n = ids.shape[1]
+    pos = torch.arange(n).unsqueeze(0)
+    cache = SlotCache(model.config, 1, dtype, "cpu", context=n, start=n)
+    cache.bind(0, pos, n)
+    with torch.inference_mode():
+        got = decoder(ids, pos, additive_mask(pos.view(1, 1, n, 1) >= pos.view(1, 1, 1, n), dtype), cache)[0]
+    off = float((got - expected).abs().max() / expected.abs().max())
+    assert off <= fused.TOLERANCE[dtype], off
+    # packed: the plain weights of the fused layers are dropped (nothing is held twice but a tied output layer)
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, fused.Moved) == pack
+    assert decoder.packed() == ((2 * 4 + 1) if pack else 0, 0)
+
+
+def test_what_it_does_not_cover_is_served_by_transformers_forward():
+    gemma = tiny("gemma")  # scaled embeddings, GELU, (1 + w) norms: another layer
+    assert fused.fused_decoder(gemma, pack=False) == (None, "transformers' (model type 'gemma' is not one of "
+                                                             "['llama', 'mistral', 'qwen2'])")
+    windowed = tiny("mistral", sliding_window=16)
+    decoder, note = fused.fused_decoder(windowed, pack=False)
+    assert decoder is None and "sliding-window attention (16 tokens)" in note
+
+
+def test_a_fused_forward_that_disagrees_with_transformers_is_not_used(monkeypatch):
+    model = tiny("llama")
+    monkeypatch.setattr(fused, "_rms", lambda x, norm: x)  # a forward that forgets its norms
+    decoder, note = fused.fused_decoder(model, pack=False)
+    assert decoder is None and "off it at load" in note
