@@ -1,7 +1,8 @@
 """An LLM behind the OpenAI API under load: `gpuwise serve` against `transformers serve` (with and without its
 continuous batching), SmolLM2-135M-Instruct, the official `openai` client as the load generator.
 
-Run: .venv/bin/python benchmarks/llm_serve_load.py [--dtypes fp32,bf16] [--servers gpuwise,hf,hf-cb] [--rounds 2]
+Run: .venv/bin/python benchmarks/llm_serve_load.py [--dtypes fp32,bf16] [--rounds 2]
+     [--servers gpuwise,gpuwise-no-prefix,hf,hf-cb]
 
 Each server is a fresh process on loopback, given the same converted model directory and dtype; all of a
 dtype's servers are up at once (the CPU time each takes while idle is printed: none should) and take turns.
@@ -17,6 +18,10 @@ bound is memory bandwidth (STREAM copy) / weight bytes; at 32, the bound is the 
 
 bf16 is skipped on a CPU without native bf16 (AVX512-BF16 or AMX): emulated, it runs 5-50x slower than
 fp32 here and says nothing about either server (pass --dtypes fp32,bf16 to run it anyway).
+gpuwise keeps the keys and values of recent prompts (`--prefix-cache`, on by default): all prompts share the
+chat template's system prompt (24 of their 37-40 tokens), and as the 8 prompts come round again each is found
+whole but its last token, as a chat's earlier turns would be. `gpuwise --prefix-cache 0` is the same
+server without it; the share of prompt tokens found is printed from each gpuwise server's /metrics.
 Goals (issue #12): at 32, >= 2x the peer's continuous-batching tokens/s with a lower TTFT p50; >= 3x
 gpuwise's own concurrency-1 throughput; at 1, at least the peer's tokens/s.
 """
@@ -58,7 +63,7 @@ def free_port() -> int:
 def start(kind: str, model_dir: str, dtype: str, log: Path) -> tuple[subprocess.Popen, str, str]:
     """(process, base URL, model id) of a fresh server."""
     port = free_port()
-    if kind == "gpuwise":
+    if kind.startswith("gpuwise"):
         cmd = [
             sys.executable,
             "-m",
@@ -74,6 +79,7 @@ def start(kind: str, model_dir: str, dtype: str, log: Path) -> tuple[subprocess.
             "--max-seqs",
             "32",
         ]
+        cmd += ["--prefix-cache", "0"] if kind == "gpuwise-no-prefix" else []
         model = Path(model_dir).name
     else:
         exe = str(Path(sys.executable).with_name("transformers"))
@@ -167,6 +173,20 @@ def summarize(rounds: list[tuple[list[dict], float]]) -> dict:
     }
 
 
+def prefix_hits(url: str) -> str:
+    """The share of prompt tokens a gpuwise server found in its prefix cache, from its /metrics."""
+    text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text
+    counts = {}
+    for line in text.splitlines():
+        for name in ("queries", "hits"):
+            if line.startswith(f"gpuwise_prefix_cache_{name}_total "):
+                counts[name] = float(line.split()[1])
+    if not counts.get("queries"):
+        return "no prefix cache"
+    hit, asked = counts.get("hits", 0.0), counts["queries"]
+    return f"prefix cache hits {hit:.0f} of {asked:.0f} prompt tokens ({hit / asked:.0%})"
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (Linux /proc), to show that an idle server takes none."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -188,7 +208,7 @@ def bounds(params: int, dtype: str) -> dict[int, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default=None, help="fp32,bf16 (default: fp32, plus bf16 where it is native)")
-    ap.add_argument("--servers", default="gpuwise,hf,hf-cb")
+    ap.add_argument("--servers", default="gpuwise,gpuwise-no-prefix,hf,hf-cb")
     ap.add_argument("--rounds", type=int, default=2, help="each level, each server, this many times, interleaved")
     args = ap.parse_args()
 
@@ -198,9 +218,15 @@ def main() -> None:
     model_dir = resolve_base("smollm2-135m-instruct")
     dtypes = args.dtypes.split(",") if args.dtypes else ["fp32"] + (["bf16"] if computes_bf16("cpu") else [])
     params = 134_515_008  # SmolLM2-135M (the GGUF header; `gpuwise plan --model smollm2-135m-instruct`)
-    names = {"gpuwise": "gpuwise serve", "hf": "transformers serve", "hf-cb": "transformers serve --cb"}
+    names = {
+        "gpuwise": "gpuwise serve",
+        "gpuwise-no-prefix": "gpuwise --prefix-cache 0",
+        "hf": "transformers serve",
+        "hf-cb": "transformers serve --cb",
+    }
     logs = Path(tempfile.mkdtemp())
     rows = []
+    hits: dict[tuple[str, str], str] = {}
     kinds = args.servers.split(",")
     for dtype in dtypes:
         bound = bounds(params, dtype)
@@ -230,6 +256,9 @@ def main() -> None:
                         print(
                             f"{dtype} round {r + 1} {names[kind]} c={c}: {tps:.1f} tok/s", file=sys.stderr, flush=True
                         )
+            for kind, (_, url, _) in servers.items():
+                if kind.startswith("gpuwise"):
+                    hits[dtype, names[kind]] = prefix_hits(url)
         finally:
             for proc, _, _ in servers.values():
                 proc.terminate()
@@ -249,6 +278,8 @@ def main() -> None:
             f"{dtype:<6}{name:<26}{c:>5}{r['tokens_per_s']:>9.1f}{share:>10}{r['ttft_p50']:>9.2f}s"
             f"{r['ttft_p99']:>9.2f}s{r['tpot_p50'] * 1000:>8.0f}ms"
         )
+    for (dtype, name), share in hits.items():
+        print(f"{dtype} {name}: {share}")
     by = {(d, n, c): r["tokens_per_s"] for d, n, c, r, _ in rows}
     for dtype in dtypes:
         ours = {c: by.get((dtype, "gpuwise serve", c)) for c in LEVELS}

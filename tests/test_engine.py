@@ -70,14 +70,23 @@ def engine(model, tok, **kw) -> Engine:
     return Engine(model, tok, **({"max_seqs": 8, "kv_budget_tokens": 8 * 256, "max_queue": 16, "context": 256} | kw))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["transformers-forward", "fused-decoder"])
-def test_greedy_equals_generate_alone_in_a_full_batch_and_when_joining_midway(tiny, fused):
+@pytest.mark.parametrize(
+    ("fused", "prefix"),
+    [(False, 0), (False, 1000), (True, 1000)],
+    ids=["transformers-forward", "transformers-forward-prefix-cache", "fused-decoder-prefix-cache"],
+)
+def test_greedy_equals_generate_alone_in_a_full_batch_and_when_joining_midway(tiny, fused, prefix):
+    """With a prefix cache every prompt after the first pass is found in it, all but its last token."""
     from gpuwise.serve.decoder import FusedDecoder
+    from gpuwise.serve.engine import EngineStats
 
     model, tok, texts = tiny
     prompts = [" ".join(t.split()[: 2 + i]) for i, t in enumerate(texts[:8])]  # 2 to 9 words: ragged
     expected = [reference(model, tok, q) for q in prompts]
-    e = engine(model, tok, decoder=FusedDecoder(model, pack=False) if fused else None)
+    reused = []
+    stats = EngineStats(on_prefill=lambda tokens, hits: reused.append(hits))
+    decoder = FusedDecoder(model, pack=False) if fused else None
+    e = engine(model, tok, decoder=decoder, prefix_tokens=prefix, stats=stats)
     try:
         alone = []
         for q in prompts:
@@ -89,6 +98,9 @@ def test_greedy_equals_generate_alone_in_a_full_batch_and_when_joining_midway(ti
         for _, c in together:
             assert c.done.wait(30)
         assert [s.out for s, _ in together] == expected
+        if prefix:
+            lengths = [len(tok(q)["input_ids"]) for q in prompts]
+            assert sum(reused[8:]) == sum(n - 1 for n in lengths)  # the second pass: all but the last token
         first = [submit(e, tok, q, max_tokens=24) for q in prompts[:4]]
         while len(first[0][0].out) < 5:  # the next four join while the first are mid-answer
             time.sleep(0.001)
@@ -102,6 +114,39 @@ def test_greedy_equals_generate_alone_in_a_full_batch_and_when_joining_midway(ti
     finally:
         e.close()
     assert not e.running and not e.waiting
+
+
+def test_a_prompt_reuses_what_it_shares_with_an_earlier_one_and_answers_as_alone(tiny):
+    from gpuwise.serve.engine import EngineStats
+
+    model, tok, texts = tiny
+    first = texts[3]
+    second = " ".join(first.split()[:6] + texts[4].split()[:5])  # six words in common, then others
+    a, b = tok(first)["input_ids"], tok(second)["input_ids"]
+    common = next(i for i in range(min(len(a), len(b))) if a[i] != b[i])
+    reused = []
+    e = engine(model, tok, prefix_tokens=1000, stats=EngineStats(on_prefill=lambda n, hits: reused.append(hits)))
+    try:
+        for q in (first, second):
+            seq, c = submit(e, tok, q)
+            assert c.done.wait(30)
+            assert seq.out == reference(model, tok, q)
+    finally:
+        e.close()
+    assert reused == [0, common] and common >= 6
+
+
+def test_the_prefix_cache_keeps_adapters_apart_and_its_bound():
+    from gpuwise.serve.engine import PrefixCache
+
+    cache = PrefixCache(tokens=10)
+    kv = torch.zeros(2, 6, 1, 4)
+    cache.put("a", [1, 2, 3, 4, 5, 6], kv, kv)
+    assert cache.longest("a", [1, 2, 3, 9])[0] == 3
+    assert cache.longest("b", [1, 2, 3, 9]) == (0, None)  # another adapter's keys are other keys
+    assert cache.longest("a", [1, 2, 3])[0] == 2  # the last token always runs: its logits are the answer
+    cache.put("a", [7, 8, 9, 10, 11], kv[:, :5], kv[:, :5])  # 11 tokens > 10: the least recently used goes
+    assert cache.longest("a", [1, 2, 3, 9]) == (0, None) and cache.held == 5
 
 
 def test_cancelled_and_finished_sequences_free_their_rows(tiny):
@@ -160,7 +205,7 @@ def test_the_cache_grows_and_keeps_what_it_held(tiny):
     cache.update(k, k, 0)
     cache.reserve(9)
     assert cache.capacity == 9  # doubling 4 gives 8, too few: exactly what was asked
-    torch.testing.assert_close(cache.k[0][0, :3].transpose(0, 1), k[0])
+    torch.testing.assert_close(cache.keys[0, 0, :3].transpose(0, 1), k[0])
     cache.reserve(12)
     assert cache.capacity == 18  # doubled
     cache.reserve(1000)

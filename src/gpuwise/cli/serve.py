@@ -80,6 +80,15 @@ def serve(
     max_queue: Annotated[
         int, typer.Option(min=0, max=1_000_000, help="Language models: requests waiting at most; a 429 beyond.")
     ] = 256,
+    prefix_cache: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=10_000_000,
+            help="Language models: prompt tokens whose keys and values are kept, so that prompts which start "
+            "alike (a chat template, a system prompt, earlier turns) run only what differs; 0: off.",
+        ),
+    ] = 4096,
     dtype: Annotated[
         str,
         typer.Option(
@@ -135,6 +144,7 @@ def serve(
         max_connections=max_connections,
         max_seqs=max_seqs,
         max_queue=max_queue,
+        prefix_cache_tokens=prefix_cache,
     )
     onnx_refused = "--runtime onnx applies to image and ranking runs; a language model runs on torch"
     if run_dir is None and not model:

@@ -209,7 +209,7 @@ class FusedDecoder:
             half = D // 2
             rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
             qk = qk * cos + rotated * sin
-            k_cache, v_cache = cache.k[i], cache.v[i]
+            k_cache, v_cache = cache.keys[i], cache.values[i]
             k_cache[index, at] = qk[:, :, H:]
             v_cache[index, at] = qkv[:, :, H + K :]
             keys = k_cache[rows, :length].transpose(1, 2)  # [n, K, length, D]

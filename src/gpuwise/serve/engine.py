@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,9 +99,10 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.d
 
 
 class SlotCache:
-    """The KV cache of the running sequences: per layer one [slots, capacity, kv_heads, head_dim] tensor
-    for keys and one for values, running sequence i in row i (rows 0..n-1 in use, kept compact). It
-    grows its capacity by doubling, up to the model's context, so memory follows the longest sequence.
+    """The KV cache of the running sequences: keys in one [layers, slots, capacity, kv_heads, head_dim]
+    tensor, values in another, running sequence i in row i (rows 0..n-1 in use, kept compact). It grows its
+    capacity by doubling, up to the model's context, so memory follows the longest sequence. One tensor
+    for all layers, so that moving a row, or copying a cached prompt prefix into one, is one copy.
 
     The model calls `update` from each attention layer (transformers' Cache contract); `bind` says
     beforehand where this forward pass writes (rows, positions) and how far it reads."""
@@ -110,8 +111,7 @@ class SlotCache:
         self.layers, self.kv_heads, self.head_dim = kv_shape(config)
         self.slots, self.dtype, self.device, self.context = slots, dtype, device, context
         self.capacity = 0
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
+        self.keys = self.values = torch.zeros(0)
         self._grow(min(start, context))
         self.rows = slice(0, 0)
         self.index = torch.zeros(0, 1, dtype=torch.long)
@@ -122,12 +122,13 @@ class SlotCache:
         return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, self.dtype)
 
     def _grow(self, capacity: int) -> None:
-        shape = (self.slots, capacity, self.kv_heads, self.head_dim)
-        grown_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
-        grown_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
-        for old, new in zip(self.k + self.v, grown_k + grown_v, strict=False):
-            new[:, : self.capacity] = old
-        self.k, self.v, self.capacity = grown_k, grown_v, capacity
+        shape = (self.layers, self.slots, capacity, self.kv_heads, self.head_dim)
+        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.capacity:
+            keys[:, :, : self.capacity] = self.keys
+            values[:, :, : self.capacity] = self.values
+        self.keys, self.values, self.capacity = keys, values, capacity
 
     def reserve(self, length: int) -> None:
         if length > self.capacity:
@@ -140,15 +141,24 @@ class SlotCache:
         self.pos, self.length = pos, length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_, **__):
-        k, v = self.k[layer_idx], self.v[layer_idx]
+        k, v = self.keys[layer_idx], self.values[layer_idx]
         # [n, kv_heads, q, head_dim] in, stored as [n, q, kv_heads, head_dim] at each row's positions
         k[self.index, self.pos] = key_states.transpose(1, 2).to(self.dtype)
         v[self.index, self.pos] = value_states.transpose(1, 2).to(self.dtype)
         return k[self.rows, : self.length].transpose(1, 2), v[self.rows, : self.length].transpose(1, 2)
 
     def move(self, src: int, dst: int, length: int) -> None:
-        for t in self.k + self.v:
-            t[dst, :length] = t[src, :length]
+        self.keys[:, dst, :length] = self.keys[:, src, :length]
+        self.values[:, dst, :length] = self.values[:, src, :length]
+
+    def read(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of one row's first `length` positions, keys and values: [layers, length, kv_heads, head_dim]."""
+        return self.keys[:, row, :length].clone(), self.values[:, row, :length].clone()
+
+    def write(self, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The inverse of `read`: positions 0..len-1 of `row` (capacity reserved beforehand)."""
+        self.keys[:, row, : keys.shape[1]] = keys
+        self.values[:, row, : values.shape[1]] = values
 
     # transformers asks these of a cache in some code paths; a 4-D mask and explicit positions skip most.
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -156,6 +166,48 @@ class SlotCache:
 
     def __len__(self) -> int:
         return self.layers
+
+
+class PrefixCache:
+    """The keys and values of recent prompts, so that a prompt which starts like one of them (the same chat
+    template, system prompt and earlier turns) runs only what differs: the automatic prefix caching of vLLM
+    and SGLang, here at token granularity over whole prompts rather than over blocks.
+
+    The key and value of a token depend only on the tokens before it (and on the LoRA adapter), so the
+    longest common prefix with any stored prompt of the same adapter is reused as stored. Bounded by
+    `tokens` in all; the least recently used prompt goes first."""
+
+    def __init__(self, tokens: int):
+        self.tokens, self.held = tokens, 0
+        self.entries: OrderedDict[tuple, tuple[list[int], torch.Tensor, torch.Tensor]] = OrderedDict()
+
+    def longest(self, adapter: str | None, prompt: list[int]) -> tuple[int, tuple | None]:
+        """(tokens of `prompt` stored, the entry that holds them); at least the last token is left to run."""
+        best, key = 0, None
+        for k, (tokens, _, _) in self.entries.items():
+            if k[0] != adapter:
+                continue
+            n = min(len(tokens), len(prompt) - 1)
+            same = next((i for i in range(n) if tokens[i] != prompt[i]), n)
+            if same > best:
+                best, key = same, k
+        if key is not None:
+            self.entries.move_to_end(key)
+        return best, key
+
+    def get(self, key: tuple, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _, keys, values = self.entries[key]
+        return keys[:, :length], values[:, :length]
+
+    def put(self, adapter: str | None, prompt: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        key = (adapter, tuple(prompt))
+        if key in self.entries or len(prompt) > self.tokens:
+            return
+        while self.held + len(prompt) > self.tokens:
+            old, _, _ = self.entries.popitem(last=False)[1]
+            self.held -= len(old)
+        self.entries[key] = (prompt, keys, values)
+        self.held += len(prompt)
 
 
 @dataclass
@@ -168,6 +220,7 @@ class EngineStats:
     on_first_token: Callable[[float], None] = lambda s: None
     on_token: Callable[[float], None] = lambda s: None
     on_finish: Callable[[Sequence], None] = lambda s: None
+    on_prefill: Callable[[int, int], None] = lambda prompt_tokens, reused: None
 
 
 class Engine:
@@ -184,6 +237,7 @@ class Engine:
         context: int,
         stats: EngineStats | None = None,
         decoder: Callable[..., torch.Tensor] | None = None,
+        prefix_tokens: int = 0,
     ):
         self.model, self.tok, self.decoder = model, tok, decoder
         self.device = next(model.parameters()).device
@@ -195,6 +249,7 @@ class Engine:
         self.eos = {int(t) for t in [*eos, tok.eos_token_id] if t is not None}
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else next(iter(self.eos), 0)
         self.cache = SlotCache(model.config, max_seqs, self.dtype, self.device, context)
+        self.prefixes = PrefixCache(prefix_tokens) if prefix_tokens > 0 else None
         # transformers 5 names the cache argument `cache`; earlier releases `past_key_values`
         params = inspect.signature(type(self._base_model()).forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -304,17 +359,30 @@ class Engine:
 
     def _prefill(self, new: list[Sequence]) -> None:
         first = len(self.running) - len(new)
-        width = max(len(s.prompt) for s in new)
+        # what the prefix cache holds of each prompt is copied into its row; only the rest runs
+        prefixes = self.prefixes
+        reused = [prefixes.longest(s.adapter, s.prompt) if prefixes else (0, None) for s in new]
+        self.cache.reserve(max(len(s.prompt) for s in new))
+        for i, (n, key) in enumerate(reused):
+            if prefixes is not None and key is not None:
+                self.cache.write(first + i, *prefixes.get(key, n))
+        starts = [n for n, _ in reused]
+        width = max(len(s.prompt) - n for s, n in zip(new, starts, strict=True))
         ids = torch.full((len(new), width), self.pad, dtype=torch.long)
         pos = torch.empty((len(new), width), dtype=torch.long)
-        for i, s in enumerate(new):
-            pad = width - len(s.prompt)
-            ids[i, pad:] = torch.tensor(s.prompt)
-            pos[i, pad:] = torch.arange(len(s.prompt))
+        for i, (s, n) in enumerate(zip(new, starts, strict=True)):
+            pad = width - (len(s.prompt) - n)
+            ids[i, pad:] = torch.tensor(s.prompt[n:])
+            pos[i, pad:] = torch.arange(n, len(s.prompt))
             # the padding is stored past the prompt, where decoding overwrites it and the mask hides it
-            pos[i, :pad] = torch.arange(len(s.prompt), width)
-        mask = torch.arange(width).view(1, 1, 1, width) <= pos.unsqueeze(1).unsqueeze(-1)
+            pos[i, :pad] = torch.arange(len(s.prompt), len(s.prompt) + pad)
+        length = int(pos.max()) + 1
+        mask = torch.arange(length).view(1, 1, 1, length) <= pos.unsqueeze(1).unsqueeze(-1)
         logits = self._forward(ids, pos, mask, first, [s.adapter for s in new])
+        if prefixes is not None:
+            for i, s in enumerate(new):
+                prefixes.put(s.adapter, s.prompt, *self.cache.read(first + i, len(s.prompt)))
+            self.stats.on_prefill(sum(len(s.prompt) for s in new), sum(starts))
         self._advance(new, logits)
 
     def _decode(self) -> None:

@@ -95,6 +95,7 @@ class Backend:
             context=self.context,
             stats=stats,
             decoder=self.decoder,
+            prefix_tokens=limits.prefix_cache_tokens,
         )
 
     def _plan_request(self):
@@ -127,6 +128,12 @@ class Backend:
             f"budget {self.kv_budget:,} tokens: up to {self.engine.max_seqs} sequences at once, "
             f"{full:,} of them at the full context of {self.context:,}"
             + f"; forward: {self.forward_note}"
+            + (
+                f"; prefix cache {self.engine.prefixes.tokens:,} prompt tokens "
+                f"({self.engine.prefixes.tokens * self.kv_bytes_per_token / 1e6:.0f} MB at most)"
+                if self.engine.prefixes
+                else ""
+            )
             + (f"; {self.packed} weight matrices packed for oneDNN" if self.packed else "")
             + (f" (+{self.packed_bytes / 1e6:.0f} MB: tied weights held twice)" if self.packed_bytes else "")
         )
@@ -451,6 +458,9 @@ class LLM:
             "gpuwise_e2e_request_latency_seconds", "Request submitted to last token", buckets=latency, registry=reg
         )
         prompt = Counter("gpuwise_prompt_tokens", "Prompt tokens processed", registry=reg)
+        # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens: hits / queries is the share not recomputed
+        queries = Counter("gpuwise_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=reg)
+        hits = Counter("gpuwise_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=reg)
         generated = Counter("gpuwise_generation_tokens", "Tokens generated", registry=reg)
         Gauge("gpuwise_num_requests_running", "Sequences in the running batch", registry=reg).set_function(
             lambda: sum(s.running for s in stats)
@@ -467,8 +477,12 @@ class LLM:
             prompt.inc(len(seq.prompt))
             generated.inc(len(seq.out))
 
+        def prefilled(prompt_tokens: int, reused: int) -> None:
+            queries.inc(prompt_tokens)
+            hits.inc(reused)
+
         for s in stats:
-            s.on_first_token, s.on_token, s.on_finish = ttft.observe, itl.observe, finished
+            s.on_first_token, s.on_token, s.on_finish, s.on_prefill = ttft.observe, itl.observe, finished, prefilled
 
 
 def _free_bytes(device: str) -> int:

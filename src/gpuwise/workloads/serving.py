@@ -50,6 +50,7 @@ class Limits:
     max_connections: int = 256  # open at once; a 503 beyond
     max_seqs: int = 32  # language models: sequences in the running batch at most
     max_queue: int = 256  # language models: requests waiting for a slot at most; a 429 beyond
+    prefix_cache_tokens: int = 4096  # language models: prompt tokens whose keys and values are kept for reuse
 
 
 def _utf8(text: str) -> str:
