@@ -210,3 +210,18 @@ def test_the_cache_grows_and_keeps_what_it_held(tiny):
     assert cache.capacity == 18  # doubled
     cache.reserve(1000)
     assert cache.capacity == 100  # never past the model's context
+
+
+def test_argmax_by_blocks_is_torch_argmax_ties_and_nans_included():
+    from gpuwise.serve.engine import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1024, generator=g)
+    x[1, 300] = x[1, 700] = x[1].max() + 1  # a tie across blocks: the first
+    x[2, 130] = x[2, 131] = x[2].max() + 1  # a tie within a block
+    x[3, 900] = float("nan")  # a nan wins, as in torch.argmax
+    x[4, 5] = x[4, 1000] = float("nan")
+    x[5] = 0.0  # all equal: index 0
+    assert argmax_rows(x).tolist() == x.argmax(-1).tolist() == [int(x[0].argmax()), 300, 130, 900, 5, 0]
+    odd = torch.randn(3, 1000, generator=g)  # not whole blocks: torch's own
+    assert argmax_rows(odd).tolist() == odd.argmax(-1).tolist()

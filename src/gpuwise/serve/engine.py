@@ -389,13 +389,13 @@ class Engine:
         rows = self.running
         ids = torch.tensor([[s.out[-1]] for s in rows])
         pos = torch.tensor([[s.length - 1] for s in rows])
-        width = int(pos.max()) + 1
+        width = max(s.length for s in rows)
         mask = torch.arange(width).view(1, 1, 1, width) <= pos.view(-1, 1, 1, 1)
         logits = self._forward(ids, pos, mask, 0, [s.adapter for s in rows])
         self._advance(list(rows), logits)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        chosen = logits.argmax(-1).tolist()
+        chosen = argmax_rows(logits).tolist()
         for i, s in enumerate(seqs):
             p = s.params
             if p.temperature < GREEDY_BELOW:
@@ -456,6 +456,20 @@ class Engine:
         if error is not None:
             event["error"] = repr(error)
         s.sink(event)
+
+
+def argmax_rows(logits: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """`logits.argmax(-1)` for [rows, vocab], the same index (the first of equal maxima, a nan first of all),
+    by blocks: the CPU's argmax reduction took 1.5-2.5 ms for 32 rows of SmolLM2's 49,152 logits here (2-3 %
+    of a decode step), its amax 0.15 ms. So: each block's max, the first block holding the row's max, the
+    first index of that max within it."""
+    rows, vocab = logits.shape
+    if vocab % block or vocab < 4 * block:
+        return logits.argmax(-1)
+    blocks = logits.view(rows, vocab // block, block)
+    which = blocks.amax(-1).argmax(-1)
+    within = blocks[torch.arange(rows, device=logits.device), which].argmax(-1)
+    return which * block + within
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
