@@ -213,6 +213,15 @@ def test_a_model_directory_is_served_with_its_chat_template_and_its_plan(model_d
         r = oa.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         templated = llm.tok("<user>hi\n<assistant>", add_special_tokens=False)["input_ids"]
         assert r.usage.prompt_tokens == len(templated)  # the model's own template, not the plain fallback
+        again = oa.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=4, temperature=0)
+        assert again.usage == r.usage
+        # the same prompt again: found in the prefix cache but its last token, and /metrics says so
+        metrics = c.get("/metrics", headers={"Authorization": "Bearer k"}).text
+        count = {x.split()[0]: float(x.split()[1]) for x in metrics.splitlines()
+                 if x.startswith("gpuwise_prefix_cache_")}
+        assert count["gpuwise_prefix_cache_hits_total"] == len(templated) - 1
+        assert count["gpuwise_prefix_cache_queries_total"] == 2 * len(templated)
         preflight = c.options("/v1/chat/completions", headers={  # a browser asks before it sends the key
             "Origin": "http://chat.example", "Access-Control-Request-Method": "POST",
             "Access-Control-Request-Headers": "authorization,content-type"})
@@ -223,6 +232,7 @@ def test_a_model_directory_is_served_with_its_chat_template_and_its_plan(model_d
     width = {"fp32": 4, "bf16": 2}[llm.precision]
     assert llm.engine.cache.bytes_per_token() == llm.planned_kv_bytes_per_token() == 2 * 2 * 1 * 16 * width
     assert "budget" in llm.plan() and "KiB per token" in llm.plan()
+    assert "prefix cache 4,096 prompt tokens" in llm.plan()
     # a Llama: the fused decoder serves it; in bf16 on a CPU its products are packed for oneDNN (2 layers x
     # q/k/v, o, gate/up and down, and the output layer)
     assert "forward: gpuwise's fused decoder" in llm.plan()
