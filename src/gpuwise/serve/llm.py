@@ -85,7 +85,9 @@ class Backend:
             self.packed, self.packed_bytes = pack_linears(self.model) if pack else (0, 0)
         self.context = int(getattr(model.config, "max_position_embeddings", None) or 2048)
         self.kv_bytes_per_token = kv_bytes_per_token(*kv_shape(model.config), torch_dtype)
-        self.kv_budget = kv_budget(_free_bytes(device), self.kv_bytes_per_token, self.context, limits.max_seqs)
+        # the prefix cache, full, comes out of the same memory as the running sequences' cache
+        free = _free_bytes(device) - limits.prefix_cache_tokens * self.kv_bytes_per_token
+        self.kv_budget = kv_budget(free, self.kv_bytes_per_token, self.context, limits.max_seqs)
         self.engine = Engine(
             self.model,
             tok,
