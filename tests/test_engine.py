@@ -136,6 +136,50 @@ def test_a_prompt_reuses_what_it_shares_with_an_earlier_one_and_answers_as_alone
     assert reused == [0, common] and common >= 6
 
 
+def test_a_prompt_found_whole_prefills_beside_a_new_one_near_the_end_of_the_context(tiny):
+    """A row that runs one token beside a row that runs many is padded by many: the padding stays within the
+    model's context however long the prompt is."""
+    model, tok, texts = tiny
+    long = " ".join(texts[6].split() + texts[7].split())  # 24 words
+    short = " ".join(texts[8].split()[:10])
+    n = len(tok(long)["input_ids"])
+    e = engine(model, tok, prefix_tokens=1000, context=n + 4)
+    try:
+        seq, c = submit(e, tok, long, max_tokens=4)
+        assert c.done.wait(30)
+        with e.cv:  # both wait for the engine's next turn: one prefill, the long one found whole but a token
+            again = [submit(e, tok, q, max_tokens=4) for q in (long, short)]
+        for _, c in again:
+            assert c.done.wait(30) and c.end["finish"] in ("stop", "length"), c.end
+    finally:
+        e.close()
+    assert [s.out for s, _ in again] == [reference(model, tok, q, 4) for q in (long, short)]
+
+
+def test_a_failed_forward_fails_its_requests_and_the_engine_serves_the_next(tiny):
+    model, tok, texts = tiny
+    fail = [False] * 100 + [True]  # popped from the end: the first forward (a prefill) fails, the rest run
+
+    def decoder(*args):
+        if fail.pop():
+            raise RuntimeError("out of memory (planted)")
+        return e.model(input_ids=args[0], position_ids=args[1], attention_mask=args[2], past_key_values=args[3],
+                       use_cache=True, logits_to_keep=1).logits[:, -1].float()
+
+    e = engine(model, tok, decoder=decoder)
+    e.cache = SlotCache(model.config, slots=8, dtype=torch.float32, device="cpu", context=256, start=4)
+    try:  # the cache grows in the first pass, as it does while serving: then it is an inference tensor
+        with e.cv:  # two rows in the failed pass: freeing the first moves the second into its row
+            failed = [submit(e, tok, q, max_tokens=4) for q in texts[:2]]
+        for _, c in failed:
+            assert c.done.wait(30) and c.end["finish"] == "error" and "planted" in c.end["error"]
+        seq, c = submit(e, tok, texts[1], max_tokens=4)
+        assert c.done.wait(30) and c.end["finish"] in ("stop", "length")
+        assert seq.out == reference(model, tok, texts[1], 4)
+    finally:
+        e.close()
+
+
 def test_the_prefix_cache_keeps_adapters_apart_and_its_bound():
     from gpuwise.serve.engine import PrefixCache
 

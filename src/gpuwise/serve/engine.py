@@ -303,8 +303,9 @@ class Engine:
                         self._decode()
             except Exception as e:  # noqa: BLE001 - a failed pass fails its requests, not the server
                 log.exception("generation failed")
-                for s in list(self.running):
-                    self._end(s, "error", error=e)
+                with torch.inference_mode():  # freeing a row writes to the cache, an inference tensor
+                    for s in list(self.running):
+                        self._end(s, "error", error=e)
             self.stats.running, self.stats.kv_tokens = len(self.running), sum(s.reserved for s in self.running)
         for s in list(self.running) + list(self.waiting):
             s.sink({"finish": "error", "error": "the server shut down"})
@@ -375,8 +376,9 @@ class Engine:
             pad = width - (len(s.prompt) - n)
             ids[i, pad:] = torch.tensor(s.prompt[n:])
             pos[i, pad:] = torch.arange(n, len(s.prompt))
-            # the padding is stored past the prompt, where decoding overwrites it and the mask hides it
-            pos[i, :pad] = torch.arange(len(s.prompt), len(s.prompt) + pad)
+            # the padding is stored just past the prompt (every pad at one position: a prompt shorter than the
+            # context always has it), where the mask hides it and the first decode step overwrites it
+            pos[i, :pad] = len(s.prompt)
         length = int(pos.max()) + 1
         mask = torch.arange(length).view(1, 1, 1, length) <= pos.unsqueeze(1).unsqueeze(-1)
         logits = self._forward(ids, pos, mask, first, [s.adapter for s in new])
