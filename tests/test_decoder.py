@@ -70,3 +70,34 @@ def test_a_fused_forward_that_disagrees_with_transformers_is_not_used(monkeypatc
     monkeypatch.setattr(fused, "_rms", lambda x, norm: x)  # a forward that forgets its norms
     decoder, note = fused.fused_decoder(model, pack=False)
     assert decoder is None and "off it at load" in note
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lora_adapters_are_applied_row_by_row_as_peft_does(dtype):
+    from peft import LoraConfig, get_peft_model
+
+    from gpuwise.serve.engine import SlotCache, additive_mask
+
+    model = get_peft_model(tiny("llama"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), adapter_name="a")
+    model.add_adapter("b", LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():  # B starts at zero: give both adapters something to say
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    model = model.to(dtype).eval()
+    reference = copy.deepcopy(model)
+    decoder, note = fused.fused_decoder(model, packable("cpu", dtype))
+    assert decoder is not None, note
+    ids = torch.tensor([[5, 17, 101, 44, 9, 250, 3, 77]] * 4)
+    adapters = ["a", None, "b", "a"]  # one batch, three answers
+    with torch.inference_mode():
+        expected = reference(input_ids=ids, adapter_names=[a or "__base__" for a in adapters]).logits[:, -1].float()
+        n = ids.shape[1]
+        pos = torch.arange(n).expand(4, n)
+        cache = SlotCache(model.config, 4, dtype, "cpu", context=n, start=n)
+        cache.bind(0, pos, n)
+        got = decoder(ids, pos, additive_mask(pos.view(4, 1, n, 1) >= pos.view(4, 1, 1, n), dtype), cache, adapters)
+    scale = expected.abs().max()
+    assert float((got - expected).abs().max() / scale) <= fused.TOLERANCE[dtype]
+    assert float((expected[0] - expected[1]).abs().max() / scale) > 0.1  # the adapters do change the answer
+    assert float((expected[0] - expected[2]).abs().max() / scale) > 0.1

@@ -315,6 +315,7 @@ def test_two_adapters_of_one_base_share_it_and_answer_each_its_own(capsys, tmp_p
         try:
             assert len(llm.backends) == 1  # one copy of the base for all of them
             backend = llm.backends[0]
+            assert "forward: gpuwise's fused decoder" in backend.plan()  # the adapters too
             ids = backend.tok(ask["prompt"])["input_ids"]
             out = {}
             import threading

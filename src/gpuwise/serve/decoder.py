@@ -5,13 +5,15 @@ Why by hand: at decoding's small batches a step is mostly dispatch, not arithmet
 this one makes ~25: one product for q, k and v together, one for gate and up, rotary embedding applied to q
 and k in one go, the cache written in place and read as a view, grouped-query attention by folding a
 single query's heads into the key/value heads (as transformers' own SDPA path does) instead of repeating
-the keys. Only the last column's logits are computed.
+the keys. Only the last column's logits are computed. LoRA adapters (peft's, plain LoRA on the seven
+projections) are applied row by row as peft's mixed-adapter batch does: each adapter's rows get
+scaling * B(A(x)) on their columns of the fused product.
 
 It reads the model's own weights: q/k/v and gate/up are concatenated once (the model's modules are then
 given views of the concatenated tensor, so nothing is held twice), and on a CPU in bf16 every product is
 packed for oneDNN (serve/packed.py). `FusedDecoder.check` compares it with transformers' forward at load
-on a short prompt; a model it does not cover, or one that disagrees, is served by transformers' forward.
-"""
+on a short prompt, for the base and each adapter; a model it does not cover, or one that disagrees, is
+served by transformers' forward."""
 
 from __future__ import annotations
 
@@ -60,7 +62,10 @@ def unsupported(model) -> str | None:
     if getattr(cfg, "model_type", None) not in FAMILY:
         return f"model type {getattr(cfg, 'model_type', '?')!r} is not one of {sorted(FAMILY)}"
     if hasattr(model, "peft_config"):
-        return "LoRA adapters run through transformers' forward"
+        why = _lora_unsupported(model)
+        if why is not None:
+            return why
+        model = model.get_base_model()
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"activation {cfg.hidden_act!r}"
     if getattr(cfg, "pretraining_tp", 1) != 1:
@@ -74,19 +79,57 @@ def unsupported(model) -> str | None:
     return None
 
 
+# which rows each LoRA adapter updates (None: every row)
+Groups = tuple[tuple[str, torch.Tensor | None], ...]
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _lora_unsupported(model) -> str | None:
+    """Why the fused forward cannot apply this peft model's adapters itself, or None: it takes plain LoRA
+    (out += scaling * B(A(x)), no bias on B, unmerged) on the seven projections over plain linear layers."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    for name, module in model.get_base_model().named_modules():
+        if not hasattr(module, "lora_A"):
+            continue
+        if type(module) is not LoraLinear or name.rsplit(".", 1)[-1] not in PROJECTIONS:
+            return f"LoRA on {name} ({type(module).__name__}): adapters run through transformers' forward"
+        if type(module.base_layer) is not nn.Linear:
+            return f"{name} is a {type(module.base_layer).__name__} (quantized?), not a plain linear layer"
+        if getattr(module, "lora_variant", None) or module.merged or module.fan_in_fan_out:
+            return f"{name}: a LoRA variant (DoRA...), merged weights or fan-in-fan-out"
+        if any(b.bias is not None for b in module.lora_B.values()):
+            return f"{name}: LoRA with a bias"
+    return None
+
+
 class _Linear:
-    """One product, packed for oneDNN where that applies (then the plain weight is not kept)."""
+    """One product, packed for oneDNN where that applies (then the plain weight is not kept), and the LoRA
+    adapters' low-rank updates of its output columns: per adapter, (columns, A, B, scaling)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool):
         self.bias = bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack else None
         self.weight = None if pack else weight
+        self.loras: dict[str, list[tuple[slice, torch.Tensor, torch.Tensor, float]]] = {}
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, groups: Groups = ()) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        assert self.weight is not None
-        return F.linear(x, self.weight, self.bias)
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        else:
+            assert self.weight is not None
+            out = F.linear(x, self.weight, self.bias)
+        # as peft's mixed-adapter batch: each adapter's rows (None: every row) get scaling * B(A(x))
+        for name, rows in groups:
+            for cols, a, b, scaling in self.loras.get(name, ()):
+                if rows is None:
+                    out[..., cols] += F.linear(F.linear(x, a), b) * scaling
+                else:
+                    part = out[rows]
+                    part[..., cols] += F.linear(F.linear(x[rows], a), b) * scaling
+                    out[rows] = part
+        return out
 
 
 class Moved(nn.Module):
@@ -96,36 +139,49 @@ class Moved(nn.Module):
         raise RuntimeError("this layer's weights were moved into gpuwise's fused decoder (serve/decoder.py)")
 
 
+def _plain(module: Any) -> Any:
+    """The linear layer itself: a LoRA wrapper's base layer, or the module."""
+    return getattr(module, "base_layer", module)
+
+
 def _weight(linear: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    linear = _plain(linear)
     if isinstance(linear, PackedLinear):
         raise ValueError("FusedDecoder needs the model's plain weights: build it before packing")
     return linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
 
 
 def _fuse(parent: Any, names: list[str], pack: bool) -> _Linear:
-    """One product for several linears that read the same input; the modules keep views of the joint weight."""
+    """One product for several linears that read the same input; the modules keep views of the joint weight,
+    and their LoRA adapters update their own columns of it."""
     parts = [_weight(getattr(parent, n)) for n in names]
     weight = torch.cat([w for w, _ in parts])
     has_bias = any(b is not None for _, b in parts)
     bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in parts]) if has_bias else None
+    fused = _Linear(weight, bias, pack)
     start = 0
     for n, (w, _) in zip(names, parts, strict=True):
         module = getattr(parent, n)
         stop = start + w.shape[0]
-        module.weight = nn.Parameter(weight[start:stop], requires_grad=False)
+        _plain(module).weight = nn.Parameter(weight[start:stop], requires_grad=False)
         if bias is not None:
-            module.bias = nn.Parameter(bias[start:stop], requires_grad=False)
+            _plain(module).bias = nn.Parameter(bias[start:stop], requires_grad=False)
+        for adapter, a in getattr(module, "lora_A", {}).items():
+            b = module.lora_B[adapter]
+            fused.loras.setdefault(adapter, []).append(
+                (slice(start, stop), a.weight.detach(), b.weight.detach(), float(module.scaling[adapter]))
+            )
         start = stop
-    return _Linear(weight, bias, pack)
+    return fused
 
 
 class _Layer:
     def __init__(self, layer: Any, pack: bool):
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = _fuse(attn, ["q_proj", "k_proj", "v_proj"], pack)
-        self.o = _Linear(*_weight(attn.o_proj), pack)
+        self.o = _fuse(attn, ["o_proj"], pack)
         self.gate_up = _fuse(mlp, ["gate_proj", "up_proj"], pack)
-        self.down = _Linear(*_weight(mlp.down_proj), pack)
+        self.down = _fuse(mlp, ["down_proj"], pack)
         self.norm1 = (layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon)
         self.norm2 = (layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon)
 
@@ -141,6 +197,8 @@ class FusedDecoder:
     """The forward pass of a Llama-family model over the engine's `SlotCache`: logits of each row's last column."""
 
     def __init__(self, model, pack: bool):
+        self.adapters = set(model.peft_config) if hasattr(model, "peft_config") else set()
+        model = model.get_base_model() if self.adapters else model
         cfg = model.config
         inner = model.model
         self.heads = cfg.num_attention_heads
@@ -162,41 +220,70 @@ class FusedDecoder:
 
     def release(self, model) -> None:
         """Once packed copies serve every product, drop the model's plain weights of the same layers (an output
-        layer tied to the embedding stays: the embedding reads it)."""
+        layer tied to the embedding stays: the embedding reads it; LoRA's matrices stay where they are)."""
         if self.head.packed is None:
             return
+        model = model.get_base_model() if self.adapters else model
         for layer in model.model.layers:
-            for parent, names in (
-                (layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                (layer.mlp, ("gate_proj", "up_proj", "down_proj")),
-            ):
-                for n in names:
-                    setattr(parent, n, Moved())
+            for parent in (layer.self_attn, layer.mlp):
+                for n in PROJECTIONS:
+                    module = getattr(parent, n, None)
+                    if module is None:
+                        continue
+                    if hasattr(module, "base_layer"):
+                        module.base_layer = Moved()
+                    else:
+                        setattr(parent, n, Moved())
         if not self.tied:
             model.lm_head = Moved()
 
     def check(self, model, length: int = 16) -> float:
-        """How far this forward is from transformers' own on one prompt of `length` tokens (a prefill of all but
-        the last, then one decode step): the largest |difference| of the logits over the largest |logit|."""
+        """How far this forward is from transformers' own (peft's, with adapters) on one prompt of `length`
+        tokens, a prefill of all but the last then one decode step, for the base and every adapter: the
+        largest |difference| of the logits over the largest |logit|."""
         from gpuwise.serve.engine import SlotCache, additive_mask
 
-        device = self.embed.device
+        device, dtype = self.embed.device, self.embed.dtype
         ids = (torch.arange(length, device=device) * 7919 + 11).remainder(self.embed.shape[0]).unsqueeze(0)
         pos = torch.arange(length, device=device).unsqueeze(0)
         causal = pos.view(1, 1, length, 1) >= pos.view(1, 1, 1, length)
-        with torch.inference_mode():
-            theirs = model(input_ids=ids, use_cache=False).logits[0, -2:].float()
-            cache = SlotCache(model.config, 1, self.embed.dtype, device, context=length, start=length)
-            cache.bind(0, pos[:, :-1], length - 1)
-            prefill = self(ids[:, :-1], pos[:, :-1], additive_mask(causal[:, :, :-1, :-1], self.embed.dtype), cache)
-            cache.bind(0, pos[:, -1:], length)
-            step = self(ids[:, -1:], pos[:, -1:], additive_mask(causal[:, :, -1:], self.embed.dtype), cache)
-        ours = torch.cat([prefill, step])
-        return float((ours - theirs).abs().max() / theirs.abs().max())
+        worst = 0.0
+        for adapter in [None, *sorted(self.adapters)]:
+            kw = {"adapter_names": [adapter or "__base__"]} if self.adapters else {}
+            with torch.inference_mode():
+                theirs = model(input_ids=ids, use_cache=False, **kw).logits[0, -2:].float()
+                cache = SlotCache(model.config, 1, dtype, device, context=length, start=length)
+                cache.bind(0, pos[:, :-1], length - 1)
+                first = self(ids[:, :-1], pos[:, :-1], additive_mask(causal[:, :, :-1, :-1], dtype), cache, [adapter])
+                cache.bind(0, pos[:, -1:], length)
+                step = self(ids[:, -1:], pos[:, -1:], additive_mask(causal[:, :, -1:], dtype), cache, [adapter])
+            ours = torch.cat([first, step])
+            off = float((ours - theirs).abs().max() / theirs.abs().max())
+            worst = off if off != off else max(worst, off)  # a nan stays
+            if worst != worst:
+                break
+        return worst
 
-    def __call__(self, ids: torch.Tensor, pos: torch.Tensor, bias: torch.Tensor, cache) -> torch.Tensor:
-        """ids, pos: [n, q]; bias: [n, 1, q, length] additive; `cache` bound to these rows and positions."""
+    def _groups(self, adapters: list[str | None] | None, n: int) -> Groups:
+        """Which rows each adapter updates: None for all of them (one adapter for the whole batch)."""
+        names = [a for a in adapters or [] if a is not None and a in self.adapters]
+        if not names:
+            return ()
+        if len(names) == n and len(set(names)) == 1:
+            return ((names[0], None),)
+        assert adapters is not None
+        return tuple(
+            (name, torch.tensor([i for i, a in enumerate(adapters) if a == name], device=self.embed.device))
+            for name in sorted(set(names))
+        )
+
+    def __call__(
+        self, ids: torch.Tensor, pos: torch.Tensor, bias: torch.Tensor, cache, adapters: list[str | None] | None = None
+    ) -> torch.Tensor:
+        """ids, pos: [n, q]; bias: [n, 1, q, length] additive; `cache` bound to these rows and positions;
+        `adapters`: each row's LoRA adapter (None: the base)."""
         n, q = ids.shape
+        groups = self._groups(adapters, n)
         H, K, D = self.heads, self.kv_heads, self.head_dim
         x = F.embedding(ids, self.embed)
         cos, sin = self.rotary(x, pos)  # [n, q, D], in x's dtype
@@ -204,7 +291,7 @@ class FusedDecoder:
         rows, length, index, at = cache.rows, cache.length, cache.index, cache.pos
         fold = q == 1 and H != K  # one query: its H heads become H/K queries of each key/value head
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(_rms(x, layer.norm1)).view(n, q, H + 2 * K, D)
+            qkv = layer.qkv(_rms(x, layer.norm1), groups).view(n, q, H + 2 * K, D)
             qk = qkv[:, :, : H + K]
             half = D // 2
             rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
@@ -222,7 +309,7 @@ class FusedDecoder:
                 query = qk[:, :, :H].transpose(1, 2)
                 out = F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, enable_gqa=H != K)
                 out = out.transpose(1, 2).reshape(n, q, H * D)
-            x = x + layer.o(out)
-            gate, up = layer.gate_up(_rms(x, layer.norm2)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + layer.o(out, groups)
+            gate, up = layer.gate_up(_rms(x, layer.norm2), groups).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up, groups)
         return self.head(_rms(x[:, -1], self.norm)).float()

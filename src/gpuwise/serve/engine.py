@@ -17,9 +17,9 @@ never behind at 32, and it also runs one LoRA adapter per row and admits by the 
 Here the KV cache holds a row per running sequence (`SlotCache`), and recent prompts' keys and values
 are kept for the prompts that start like them (`PrefixCache`). The
 forward is transformers' own, given that cache, per-row positions and a 4-D mask, so any model
-transformers loads (Llama, Qwen2, Mistral, Gemma...) runs unchanged; or, for the Llama family without
-adapters, the same forward fused by hand over the same cache (serve/decoder.py), which makes a third of the
-tensor-op calls per step.
+transformers loads (Llama, Qwen2, Mistral, Gemma...) runs unchanged; or, for the Llama family and its
+LoRA adapters, the same forward fused by hand over the same cache (serve/decoder.py), which makes a third
+of the tensor-op calls per step.
 """
 
 from __future__ import annotations
@@ -345,7 +345,7 @@ class Engine:
         self.cache.bind(first, pos, length)
         bias = additive_mask(mask, self.dtype).to(self.device)  # may attend: stored position j <= the query's own
         if self.decoder is not None:  # serve/decoder.py: the same forward, fused
-            return self.decoder(ids.to(self.device), pos.to(self.device), bias, self.cache)
+            return self.decoder(ids.to(self.device), pos.to(self.device), bias, self.cache, adapters)
         kwargs: dict[str, Any] = {self.cache_arg: self.cache}
         if self.peft:  # one adapter per row (peft's mixed-adapter batch); "__base__": the base alone
             kwargs["adapter_names"] = [a or "__base__" for a in adapters]
