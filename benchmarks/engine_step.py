@@ -3,7 +3,10 @@ decoder (serve/decoder.py, what `gpuwise serve` runs for a Llama-family model) a
 through the same engine, in fp32 and in bf16 (its linears packed for oneDNN on a CPU with native bf16), and
 transformers' `generate` at the same batch.
 
-Run: .venv/bin/python benchmarks/engine_step.py [--batches 1,8,32] [--rounds 3] [--steps 16]
+Run: .venv/bin/python benchmarks/engine_step.py [--batches 1,8,32] [--rounds 3] [--steps 16] [--lora 8]
+
+--lora R: every model gets a LoRA adapter of rank R on every linear layer (as a `product-lm` run), every row
+runs it: the fused decoder's row-by-row LoRA against peft's.
 
 No server, no client: the engine's `_prefill` and `_decode` called directly, so what it shows is the model's
 step and the engine's own bookkeeping. Each round measures every variant at every batch, the order
@@ -23,13 +26,13 @@ import time
 import torch
 
 
-def engine_step(engine, prompt: list[int], batch: int, steps: int) -> list[float]:
+def engine_step(engine, prompt: list[int], batch: int, steps: int, adapter: str | None = None) -> list[float]:
     """Per-step seconds of `steps` decode steps of `batch` copies of `prompt`, after a prefill and one step."""
     from gpuwise.serve.engine import Params, Sequence
 
+    params = Params(max_tokens=steps + 8, temperature=0.0)
     seqs = [
-        Sequence(list(prompt), Params(max_tokens=steps + 8, temperature=0.0), lambda e: None, time.monotonic() + 600)
-        for _ in range(batch)
+        Sequence(list(prompt), params, lambda e: None, time.monotonic() + 600, adapter=adapter) for _ in range(batch)
     ]
     engine.running = list(seqs)
     engine._prefill(seqs)
@@ -61,6 +64,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--lora", type=int, default=0, help="every row through a LoRA adapter of this rank (all linears)")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -91,6 +95,17 @@ def main() -> None:
         return e
 
     fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    adapter = None
+    if args.lora:  # as a product-lm run: LoRA on every linear layer, B random so that it is not a no-op
+        from peft import LoraConfig, get_peft_model
+
+        adapter = "lora"
+        config = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear")
+        fp32 = get_peft_model(fp32, config, adapter_name=adapter).eval()
+        with torch.no_grad():
+            for name, p in fp32.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     packed = copy.deepcopy(bf16)
     if packable("cpu", torch.bfloat16):
@@ -105,12 +120,13 @@ def main() -> None:
             for b in batches:
                 for name in names if r % 2 == 0 else names[::-1]:
                     if name in variants:
-                        steps[name, b] += engine_step(variants[name], ids, b, args.steps)
+                        steps[name, b] += engine_step(variants[name], ids, b, args.steps, adapter)
                     else:
                         steps[name, b].append(generate_step(generate[name], ids, b, args.steps))
             print(f"round {r + 1} of {args.rounds} done", flush=True)
     print(
-        f"SmolLM2-135M-Instruct, one decode step ({len(ids)}-token prompt), {os.cpu_count()} CPUs, "
+        f"SmolLM2-135M-Instruct{f' + LoRA r={args.lora}' if args.lora else ''}, one decode step "
+        f"({len(ids)}-token prompt), {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, {args.rounds} rounds interleaved; median ms per step (tokens/s)"
     )
     print(f"{'batch':>5}" + "".join(f"{n:>22}" for n in names))

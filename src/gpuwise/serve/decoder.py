@@ -112,7 +112,7 @@ class _Linear:
         self.bias = bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if pack else None
         self.weight = None if pack else weight
-        self.loras: dict[str, list[tuple[slice, torch.Tensor, torch.Tensor, float]]] = {}
+        self.loras: dict[str, tuple[_Linear, _Linear]] = {}  # adapter: (A, B), scaling in B
 
     def __call__(self, x: torch.Tensor, groups: Groups = ()) -> torch.Tensor:
         if self.packed is not None:
@@ -122,13 +122,13 @@ class _Linear:
             out = F.linear(x, self.weight, self.bias)
         # as peft's mixed-adapter batch: each adapter's rows (None: every row) get scaling * B(A(x))
         for name, rows in groups:
-            for cols, a, b, scaling in self.loras.get(name, ()):
-                if rows is None:
-                    out[..., cols] += F.linear(F.linear(x, a), b) * scaling
-                else:
-                    part = out[rows]
-                    part[..., cols] += F.linear(F.linear(x[rows], a), b) * scaling
-                    out[rows] = part
+            if name not in self.loras:
+                continue
+            a, b = self.loras[name]
+            if rows is None:
+                out += b(a(x))
+            else:
+                out.index_add_(0, rows, b(a(x[rows])))
         return out
 
 
@@ -159,6 +159,7 @@ def _fuse(parent: Any, names: list[str], pack: bool) -> _Linear:
     has_bias = any(b is not None for _, b in parts)
     bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in parts]) if has_bias else None
     fused = _Linear(weight, bias, pack)
+    low_rank: dict[str, list[tuple[slice, torch.Tensor, torch.Tensor]]] = {}
     start = 0
     for n, (w, _) in zip(names, parts, strict=True):
         module = getattr(parent, n)
@@ -167,11 +168,19 @@ def _fuse(parent: Any, names: list[str], pack: bool) -> _Linear:
         if bias is not None:
             _plain(module).bias = nn.Parameter(bias[start:stop], requires_grad=False)
         for adapter, a in getattr(module, "lora_A", {}).items():
-            b = module.lora_B[adapter]
-            fused.loras.setdefault(adapter, []).append(
-                (slice(start, stop), a.weight.detach(), b.weight.detach(), float(module.scaling[adapter]))
-            )
+            b = module.lora_B[adapter].weight.detach() * module.scaling[adapter]
+            low_rank.setdefault(adapter, []).append((slice(start, stop), a.weight.detach(), b))
         start = stop
+    # Per adapter, two products for the whole fused product rather than two per part: the parts' A stacked
+    # (they read the same input), their B (scaling folded in) block-diagonal over the output columns.
+    for adapter, pieces in low_rank.items():
+        a = torch.cat([a for _, a, _ in pieces])
+        b = weight.new_zeros(weight.shape[0], a.shape[0])
+        r = 0
+        for cols, part_a, part_b in pieces:
+            b[cols, r : r + part_a.shape[0]] = part_b
+            r += part_a.shape[0]
+        fused.loras[adapter] = (_Linear(a, None, pack), _Linear(b, None, pack))
     return fused
 
 
