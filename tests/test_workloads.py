@@ -85,6 +85,34 @@ def test_ease_scores_are_the_closed_form_in_either_form(users, items):
     assert np.allclose(ease_scores(tu, ti, users, items, lam=10.0), x @ b, atol=1e-10)
 
 
+def test_baselines_past_the_dense_bounds_are_skipped_and_the_summary_says_so(monkeypatch):
+    """A shop's own data of 10^5 users and items would need tens of GB for ItemKNN's and EASE^R's dense
+    matrices: past the bounds they are not computed, and the summary says why instead of a figure."""
+    import io
+
+    import numpy as np
+    from rich.console import Console
+    from test_results import OLD_SUMMARY
+
+    from gpuwise.train.report import render
+    from gpuwise.workloads import recommender as rec
+
+    scored = []
+    tu, ti = np.array([0, 1, 2]), np.array([0, 1, 2])
+    monkeypatch.setattr(rec, "SQUARE_SIDE", 25)  # 30 items: ItemKNN's items x items is too big; EASE^R's 20 fits
+    also = rec.neighbour_baselines(tu, ti, 20, 30, lambda fn: scored.append(fn) or {"recall@10": 0.5})
+    assert also["ItemKNN (cosine)"] == {"skipped": "20 users x 30 items is past the dense bounds (50,000,000 "
+                                                   "cells, a square of side 25)"}
+    assert also["EASE^R (lambda 100)"] == {"recall@10": 0.5} and len(scored) == 1
+    monkeypatch.setattr(rec, "DENSE_CELLS", 100)  # 600 cells: both skipped, nothing computed
+    also = rec.neighbour_baselines(tu, ti, 20, 30, lambda fn: scored.append(fn) or {})
+    assert all("skipped" in v for v in also.values()) and len(scored) == 1
+    summary = {**OLD_SUMMARY, "baseline": {**OLD_SUMMARY["baseline"], "also": also}}
+    con = Console(file=io.StringIO(), width=200)
+    render(con, summary)
+    assert "EASE^R (lambda 100): skipped: 20 users x 30 items is past the dense bounds" in con.file.getvalue()
+
+
 def test_the_recommender_baselines_reach_their_measured_figures_on_movielens():
     """The three baselines on the real split (no training: deterministic). Measured here: popularity recall@10
     0.0439, ItemKNN 0.0678, EASE^R 0.0876 (issue #13 measured 0.085 / NDCG 0.093 for EASE^R at lambda 100 on

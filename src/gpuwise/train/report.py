@@ -85,6 +85,9 @@ def render(console: Console, summary: TrainSummary | dict) -> None:
                 row.append(_fmt(published.get(key), ".4g"))
             t.add_row(*row)
     console.print(t)
+    for name, other in also.items():
+        if other.get("skipped"):
+            console.print(f"[dim]{name}: skipped: {other['skipped']}[/]")
     if published:
         console.print(f"[dim]published: {published.get('source')}[/]")
     for text in ev.get("samples", []):
