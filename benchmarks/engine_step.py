@@ -70,7 +70,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from gpuwise.serve.decoder import FusedDecoder
+    from gpuwise.serve.decoder import fused_decoder
     from gpuwise.serve.engine import Engine
     from gpuwise.serve.packed import pack_linears, packable
     from gpuwise.workloads.pretrained import resolve_base
@@ -86,9 +86,11 @@ def main() -> None:
 
     def engine(model, fuse: bool = False) -> Engine:
         decoder = None
-        if fuse:
+        if fuse:  # as `gpuwise serve` builds it: checked against transformers' at load
             model = copy.deepcopy(model)
-            decoder = FusedDecoder(model, pack=packable("cpu", model.dtype))
+            decoder, note = fused_decoder(model, pack=packable("cpu", model.dtype))
+            if decoder is None:
+                raise SystemExit(f"the fused decoder is not used for this model: {note}")
         kw = {"max_seqs": max(batches), "kv_budget_tokens": 1 << 20, "max_queue": 1, "context": 2048}
         e = Engine(model, tok, decoder=decoder, **kw)
         e.close()  # its thread stops; the benchmark drives the steps itself

@@ -36,6 +36,16 @@ def packable(device: torch.device | str, dtype: torch.dtype) -> bool:
         return False
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An [out, in] bf16 weight in oneDNN's blocked layout, for `packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with the weight packed by `pack_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class PackedLinear(nn.Module):
     """An inference-only stand-in for an `nn.Linear`: the weight lives in oneDNN's blocked layout (an opaque
     tensor: no autograd, no `.to()`, no state dict), the bias as it was."""
@@ -43,11 +53,11 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.packed = pack_weight(linear.weight.detach())
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return packed_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
