@@ -70,6 +70,30 @@ def test_recommender_metrics_baselines_and_predict(capsys, tmp_path):
     assert unknown["source"] == "popular (unknown user)"
 
 
+def test_past_the_softmax_bound_the_recommender_trains_with_bpr(capsys, tmp_path, monkeypatch):
+    """A catalogue past FULL_SOFTMAX_ITEMS trains with BPR (one sampled negative), and the summary says which
+    loss ran: here 60 items against a bound set to 50. The loss of BPR starts at log 2 (scores near zero)."""
+    from gpuwise.workloads import recommender as rec
+
+    data = interactions_csv(tmp_path / "ratings.csv")
+    monkeypatch.setattr(rec, "FULL_SOFTMAX_ITEMS", 50)
+    s = train_json(capsys, "recommender --data {} --batch-size 64 --max-steps 3 --run-dir {}", data, tmp_path / "bpr")
+    assert s["data"]["loss"].startswith("BPR") and s["final_loss"] == pytest.approx(0.693, abs=0.01)
+    monkeypatch.setattr(rec, "FULL_SOFTMAX_ITEMS", 60)
+    s = train_json(capsys, "recommender --data {} --batch-size 64 --max-steps 3 --run-dir {}", data, tmp_path / "sm")
+    assert s["data"]["loss"] == "softmax over all 60 items" and s["final_loss"] == pytest.approx(4.09, abs=0.05)
+
+
+@pytest.mark.slow
+def test_the_default_recommender_beats_itemknn_on_movielens(capsys, tmp_path):
+    """Issue #13's floor: the default run (softmax over all items, 5 epochs, ~30 s here) above ItemKNN on both
+    recall@10 and NDCG@10, on the same split in the same run. Measured here: 0.0745 / 0.0724 / 0.0742 recall and
+    0.0764 / 0.0741 / 0.0772 NDCG (seeds 0 / 1 / 2) against ItemKNN's 0.0678 / 0.0694."""
+    s = train_json(capsys, "recommender --run-dir {}", tmp_path / "run")
+    knn = s["baseline"]["also"]["ItemKNN (cosine)"]
+    assert s["eval"]["recall@10"] > knn["recall@10"] and s["eval"]["ndcg@10"] > knn["ndcg@10"], (s["eval"], knn)
+
+
 @pytest.mark.parametrize("users, items", [(30, 50), (50, 30)])  # Woodbury's form, and the direct one
 def test_ease_scores_are_the_closed_form_in_either_form(users, items):
     import numpy as np

@@ -1,6 +1,8 @@
 """recommender: top-k recommendations from rating history, retrained every week.
 
-Matrix factorization trained with BPR (a positive beats a sampled negative). The held-out split is
+Matrix factorization trained with a softmax over the whole catalogue (each interaction's item against every
+other item), or, past FULL_SOFTMAX_ITEMS items, with BPR (the positive against one sampled negative). The
+held-out split is
 each user's most recent 10 % of interactions: a single global cut-off on MovieLens leaves ~22 users
 on both sides (shared/reference/published.md), too few to tell models apart. ``--init-from`` starts
 from last week's run and grows the embeddings for users and items that are new since.
@@ -73,11 +75,28 @@ class MatrixFactorization(nn.Module):
         nn.init.normal_(self.item.weight, std=0.05)
         nn.init.zeros_(self.bias.weight)
 
-    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+    def forward(self, users: torch.Tensor, items: torch.Tensor | None = None) -> torch.Tensor:
+        """Scores of (user, item) pairs, or of every item for each user when `items` is None. The catalogue
+        is looked up through the embeddings' own forward, not `.weight`: under FSDP only a module call
+        gathers the sharded table."""
+        if items is None:
+            every = torch.arange(self.item.num_embeddings, device=users.device)
+            return self.user(users) @ self.item(every).T + self.bias(every).T
         return (self.user(users) * self.item(items)).sum(-1) + self.bias(items).squeeze(-1)
 
     def all_scores(self, users: torch.Tensor) -> torch.Tensor:
         return self.user(users) @ self.item.weight.T + self.bias.weight.T
+
+
+# The softmax's logits are [batch, items]: 4096 x 50,000 in fp32 is 0.8 GB with their gradient, and its step
+# grows with the catalogue. Past this size the loss is BPR, whose step does not. MovieLens' 8,400 items
+# train in 27 s to recall@10 0.074 with the softmax against 0.060 with BPR (README, recommender quality).
+FULL_SOFTMAX_ITEMS = 50_000
+
+
+def softmax_loss(model, users, pos):
+    """Cross-entropy of each interaction's item among all items (fp32 logits under bf16 autocast)."""
+    return nn.functional.cross_entropy(model(users).float(), pos)
 
 
 def bpr_loss(model, users, pos, neg):
@@ -134,15 +153,18 @@ def build(cfg, run_dir: Path) -> Training:
         truth.append({i_index[i] for i in group["item"].astype(str)})
     popularity = np.bincount(ti, minlength=len(items)).astype(np.float32)
 
+    softmax = len(items) <= FULL_SOFTMAX_ITEMS
+
     def make_batch(indices, epoch):
         idx = np.asarray(indices)
-        return {
-            "user": torch.from_numpy(tu[idx]),
-            "pos": torch.from_numpy(ti[idx]),
-            "neg": torch.from_numpy(negatives(idx, cfg.seed, epoch, len(items))),
-        }
+        batch = {"user": torch.from_numpy(tu[idx]), "pos": torch.from_numpy(ti[idx])}
+        if not softmax:
+            batch["neg"] = torch.from_numpy(negatives(idx, cfg.seed, epoch, len(items)))
+        return batch
 
     def loss(model, batch):
+        if softmax:
+            return softmax_loss(model, batch["user"], batch["pos"])
         return bpr_loss(model, batch["user"], batch["pos"], batch["neg"])
 
     def score_users(score_fn) -> dict:
@@ -192,6 +214,11 @@ def build(cfg, run_dir: Path) -> Training:
         "items": len(items),
         "test_users": len(test_users),
         "split": "each user's most recent 10 % held out",
+        "loss": (
+            f"softmax over all {len(items):,} items"
+            if softmax
+            else f"BPR, one sampled negative ({len(items):,} items: past {FULL_SOFTMAX_ITEMS:,} for a full softmax)"
+        ),
     }
     if grown:
         info["warm_start"] = grown
@@ -203,7 +230,10 @@ def build(cfg, run_dir: Path) -> Training:
         loss,
         evaluate,
         save,
-        defaults={"epochs": 20, "batch_size": 1024, "lr": 5e-3, "weight_decay": 1e-4},
+        # softmax: 5 epochs at lr 1e-2 (recall@10 0.074, 27 s here); BPR's were 20 epochs at 5e-3 (0.060, 7 s)
+        defaults={"epochs": 5, "batch_size": 1024, "lr": 1e-2, "weight_decay": 1e-4}
+        if softmax
+        else {"epochs": 20, "batch_size": 1024, "lr": 5e-3, "weight_decay": 1e-4},
         baseline=baseline,
         info=info,
     )
@@ -440,8 +470,8 @@ class Recommender(Workload):
         batch = batch or 1024
         model = place(MatrixFactorization(671, 9066), device)  # MovieLens' users and movies
         g = torch.Generator().manual_seed(0)
-        u, i, j = (torch.randint(0, n, (batch,), generator=g).to(device) for n in (671, 9066, 9066))
-        return BenchStep(model, lambda: bpr_loss(model, u, i, j), batch, None)
+        u, i = (torch.randint(0, n, (batch,), generator=g).to(device) for n in (671, 9066))
+        return BenchStep(model, lambda: softmax_loss(model, u, i), batch, None)
 
     def predict(self, run_dir: Path, cfg, inputs: list[str], k: int = 10, **_) -> list[dict]:
         return predict(run_dir, cfg, inputs, k=k)
