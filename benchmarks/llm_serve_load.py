@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -60,7 +61,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(kind: str, model_dir: str, dtype: str, log: Path) -> tuple[subprocess.Popen, str, str]:
+def start(kind: str, model_dir: str, dtype: str, log: Path, device: str = "cpu") -> tuple[subprocess.Popen, str, str]:
     """(process, base URL, model id) of a fresh server."""
     port = free_port()
     if kind.startswith("gpuwise"):
@@ -92,7 +93,7 @@ def start(kind: str, model_dir: str, dtype: str, log: Path) -> tuple[subprocess.
             "--host",
             "127.0.0.1",
             "--device",
-            "cpu",
+            device,
             "--dtype",
             {"fp32": "float32", "bf16": "bfloat16"}[dtype],
         ]
@@ -193,15 +194,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bounds(params: int, dtype: str) -> dict[int, float]:
+def bounds(params: int, dtype: str, device: str = "cpu") -> dict[int, float]:
     """Tokens/s this machine allows: memory-bound at batch 1, compute-bound at 32 (measured now)."""
     import torch
 
     from gpuwise.bench.micro import bandwidth, matmul
 
     size = {"fp32": 4, "bf16": 2}[dtype]
-    copy = bandwidth(torch.device("cpu"), 256 << 20, 1.0)["copy_gbs"] * 1e9
-    flops = matmul(torch.device("cpu"), dtype, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], 1024, 1.0)
+    dev = torch.device(device)
+    copy = bandwidth(dev, 256 << 20, 1.0)["copy_gbs"] * 1e9
+    flops = matmul(dev, dtype, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], 1024, 1.0)
     return {1: copy / (params * size), 8: float("nan"), 32: flops["tflops"] * 1e12 / (2 * params)}
 
 
@@ -210,13 +212,22 @@ def main() -> None:
     ap.add_argument("--dtypes", default=None, help="fp32,bf16 (default: fp32, plus bf16 where it is native)")
     ap.add_argument("--servers", default="gpuwise,gpuwise-no-prefix,hf,hf-cb")
     ap.add_argument("--rounds", type=int, default=2, help="each level, each server, this many times, interleaved")
+    ap.add_argument("--levels", default="1,8,32", help="concurrency levels, of 1, 8, 32")
+    ap.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu or cuda: where gpuwise serves (it picks cuda itself when "
+        "there is one), the peer runs and the bounds are measured",
+    )
     args = ap.parse_args()
+    levels = {c: LEVELS[c] for c in (int(x) for x in args.levels.split(","))}
 
     from gpuwise.hardware.devices import computes_bf16
     from gpuwise.workloads.pretrained import resolve_base
 
     model_dir = resolve_base("smollm2-135m-instruct")
-    dtypes = args.dtypes.split(",") if args.dtypes else ["fp32"] + (["bf16"] if computes_bf16("cpu") else [])
+    dtypes = args.dtypes.split(",") if args.dtypes else ["fp32"] + (["bf16"] if computes_bf16(args.device) else [])
     params = 134_515_008  # SmolLM2-135M (the GGUF header; `gpuwise plan --model smollm2-135m-instruct`)
     names = {
         "gpuwise": "gpuwise serve",
@@ -229,11 +240,11 @@ def main() -> None:
     hits: dict[tuple[str, str], str] = {}
     kinds = args.servers.split(",")
     for dtype in dtypes:
-        bound = bounds(params, dtype)
+        bound = bounds(params, dtype, args.device)
         servers = {}
         try:
             for kind in kinds:
-                servers[kind] = start(kind, model_dir, dtype, logs / f"{kind}-{dtype}.log")
+                servers[kind] = start(kind, model_dir, dtype, logs / f"{kind}-{dtype}.log", args.device)
                 asyncio.run(level(servers[kind][1], servers[kind][2], 1, 1))  # warm-up
             idle = {kind: cpu_seconds(proc.pid) for kind, (proc, _, _) in servers.items()}
             time.sleep(5)
@@ -246,9 +257,9 @@ def main() -> None:
             # All servers stay up and take turns at each level, the order alternating by round: this
             # shared VM's speed drifts by 25 % over minutes, which one server after another would read
             # as a difference between servers.
-            done: dict[tuple[str, int], list] = {(k, c): [] for k in kinds for c in LEVELS}
+            done: dict[tuple[str, int], list] = {(k, c): [] for k in kinds for c in levels}
             for r in range(args.rounds):
-                for c, n in LEVELS.items():
+                for c, n in levels.items():
                     for kind in kinds if r % 2 == 0 else kinds[::-1]:
                         _, url, model = servers[kind]
                         done[kind, c].append(asyncio.run(level(url, model, c, n)))
@@ -263,10 +274,10 @@ def main() -> None:
             for proc, _, _ in servers.values():
                 proc.terminate()
                 proc.wait(30)
-        rows += [(dtype, names[k], c, summarize(done[k, c]), bound[c]) for k in kinds for c in LEVELS]
+        rows += [(dtype, names[k], c, summarize(done[k, c]), bound[c]) for k in kinds for c in levels]
     print(
         f"SmolLM2-135M-Instruct, streaming chat, max_tokens 64, temperature 0; {os.cpu_count()} CPUs; "
-        f"requests per level {LEVELS}, {args.rounds} rounds, servers interleaved"
+        f"requests per level {levels}, {args.rounds} rounds, servers interleaved"
     )
     print(
         f"{'dtype':<6}{'server':<26}{'conc':>5}{'tok/s':>9}{'of bound':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
@@ -280,9 +291,14 @@ def main() -> None:
         )
     for (dtype, name), share in hits.items():
         print(f"{dtype} {name}: {share}")
+    if args.json:
+        figures = [{"dtype": d, "server": n, "concurrency": c, **r, "bound_tokens_per_s": b} for d, n, c, r, b in rows]
+        args.json.write_text(
+            json.dumps({"rows": figures, "prefix_cache": {f"{d} {n}": h for (d, n), h in hits.items()}})
+        )
     by = {(d, n, c): r["tokens_per_s"] for d, n, c, r, _ in rows}
     for dtype in dtypes:
-        ours = {c: by.get((dtype, "gpuwise serve", c)) for c in LEVELS}
+        ours = {c: by.get((dtype, "gpuwise serve", c)) for c in levels}
         cb = by.get((dtype, "transformers serve --cb", 32))
         plain = by.get((dtype, "transformers serve", 1))
         if ours[32] and cb:
