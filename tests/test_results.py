@@ -117,7 +117,7 @@ def test_train_summary_round_trips_and_renders(capsys, tmp_path):
     summary = TrainSummary.load(written)
     assert same_json(summary.dump(), written)
     assert summary.steps == 2 and summary.actual.peak_bytes == written["actual"]["peak_bytes"]
-    assert summary.baseline.name == "majority class" and summary.published["accuracy"] == 0.8842
+    assert summary.baseline.name == "majority class" and summary.published["accuracy@0.5"] == 0.8842
     # the record holds the same summary, less the id it was given
     [row] = db.rows("train")
     assert same_json(row["data"], {k: v for k, v in written.items() if k != "record_id"})

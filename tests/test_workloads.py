@@ -37,13 +37,30 @@ def test_defects_metrics_baseline_and_predict(capsys, cells, tmp_path):
     s = train_json(capsys, SMALL_DEFECTS + " --max-steps 4 --run-dir {}", cells, tmp_path / "run")
     assert {"accuracy", "f1", "recall", "roc_auc", "confusion"} <= set(s["eval"])
     assert s["baseline"]["name"] == "majority class" and s["data"]["classes"] == ["functional", "defective"]
-    assert s["data"]["train"] == 24 and s["data"]["test"] == 8  # stratified 75/25
+    # stratified 75/25, and one cell of each class of the 24 held back to choose the threshold on
+    assert (s["data"]["train"], s["data"]["validation"], s["data"]["test"]) == (22, 2, 8)
+    saved = json.loads((tmp_path / "run" / "labels.json").read_text())
+    assert saved["threshold"] == s["eval"]["threshold"] and "on 2 validation cells" in s["eval"]["threshold_origin"]
     code, out, err = cli(capsys, "predict {} {} --json", tmp_path / "run", cells / "defective" / "000.png")
     assert code == 0, err
     [row] = json.loads(out)
     assert 0 <= row["probability"] <= 1 and row["label"] in ("functional", "defective")
     code, out, err = cli(capsys, "predict {} {}", tmp_path / "run", cells / "defective" / "000.png")
     assert code == 0 and "p(defective) = " in out, err
+
+
+def test_the_threshold_is_the_highest_that_keeps_the_recall():
+    import numpy as np
+
+    from gpuwise.workloads.defects import choose_threshold
+
+    probs = np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05])
+    labels = np.array([1, 0, 1, 1, 0, 1, 0, 1, 0, 0])  # defective at 0.9, 0.7, 0.6, 0.4, 0.2
+    assert choose_threshold(probs, labels, recall=0.8)[0] == 0.4  # 4 of 5 caught; at 0.5 only 3
+    assert choose_threshold(probs, labels, recall=0.6)[0] == 0.6
+    assert choose_threshold(probs, labels, recall=1.0)[0] == 0.2
+    threshold, why = choose_threshold(probs, np.zeros(10, dtype=int))
+    assert threshold == 0.5 and "no defective cell" in why
 
 
 def test_defects_transfer_learning_from_a_local_image_model(capsys, cells, tmp_path):

@@ -1,6 +1,9 @@
 """defects: camera quality control on ELPV solar-cell electroluminescence images.
 
-Label "defective" when the defect probability >= 0.5; a fixed, stratified 75/25 split. The default
+A cell is "defective" when ELPV's defect probability >= 0.5; a fixed, stratified 75/25 split, and 10 % of
+the training cells held back to choose the model's decision threshold (recall of "defective" >= 0.80 on
+them: a missed defect costs a quality line more than a second look). The test cells are scored once, at
+the end, at that threshold. The default
 model is a plain CNN with GroupNorm (its math does not depend on how a batch is split into
 micro-batches, so gradient accumulation, OOM back-off and DDP give the same weights). ``--base``
 fine-tunes a local or hub image model through transformers' from_pretrained instead.
@@ -48,6 +51,7 @@ def load_elpv(size: int):
         "data": "ELPV (elpv-dataset, Deitsch et al. 2019)",
         "classes": ["functional", "defective"],
         "strata": np.char.add(np.asarray(types).astype(str), labels.astype(str)),
+        "targets": np.asarray(probs, dtype=np.float32),
     }
     return _resize(images, size), labels, info
 
@@ -89,8 +93,10 @@ def load_folder(root: Path, size: int):
     return np.stack(images), labels, {"data": str(root), "classes": ordered, "strata": labels.astype(str)}
 
 
-def stratified_split(strata: np.ndarray, test_share: float = 0.25) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(SPLIT_SEED)
+def stratified_split(
+    strata: np.ndarray, test_share: float = 0.25, seed: int = SPLIT_SEED
+) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
     train, test = [], []
     for value in np.unique(strata):
         idx = rng.permutation(np.flatnonzero(strata == value))
@@ -98,6 +104,25 @@ def stratified_split(strata: np.ndarray, test_share: float = 0.25) -> tuple[np.n
         test += idx[:cut].tolist()
         train += idx[cut:].tolist()
     return np.sort(train), np.sort(test)
+
+
+VALIDATION_SHARE = 0.10  # of the training cells: ~200 of ELPV's, ~55 of them defective
+TARGET_RECALL = 0.80  # issue #13: quality control's floor for the share of defects caught
+
+
+def choose_threshold(probs: np.ndarray, labels: np.ndarray, recall: float = TARGET_RECALL) -> tuple[float, str]:
+    """The highest threshold whose recall of the positive class on (probs, labels) reaches `recall`: as
+    precise as that recall allows. 0.5 when there is no positive to measure recall on."""
+    positives = np.sort(probs[labels == 1])[::-1]
+    if len(positives) == 0:
+        return 0.5, "0.5: no defective cell among the validation cells to choose it on"
+    need = int(np.ceil(recall * len(positives)))  # positives at or above the threshold
+    threshold = float(positives[need - 1])
+    caught = int((positives >= threshold).sum())
+    return threshold, (
+        f"{threshold:.3f}: the highest with recall >= {recall:.2f} on {len(labels)} validation cells held out "
+        f"of the training cells ({caught} of {len(positives)} defective)"
+    )
 
 
 def _conv(c_in: int, c_out: int, groups: int, **kw) -> list[nn.Module]:
@@ -151,6 +176,13 @@ def to_tensor(images: np.ndarray) -> torch.Tensor:
     return (torch.from_numpy(images).float().div_(127.5).sub_(1.0)).unsqueeze(1)
 
 
+# Levers measured and left off (benchmarks/defects_ablation.py switches them on; README, defects quality):
+# ELPV's own defect probabilities (0, 1/3, 2/3, 1) as soft targets, and brightness / contrast jitter of
+# +-JITTER. Each cost accuracy and ROC-AUC here.
+SOFT_TARGETS = False
+JITTER = 0.0
+
+
 def augment(images: np.ndarray, indices, seed: int, epoch: int) -> np.ndarray:
     """Flips and 90-degree turns, drawn per sample from (seed, epoch, index): any resume, micro-batch
     split or process count sees the same augmentation."""
@@ -159,7 +191,11 @@ def augment(images: np.ndarray, indices, seed: int, epoch: int) -> np.ndarray:
         r = np.random.default_rng([seed, epoch, int(i)])
         k, flip = int(r.integers(4)), bool(r.integers(2))
         im = np.rot90(im, k)
-        out.append(np.fliplr(im) if flip else im)
+        im = np.fliplr(im) if flip else im
+        if JITTER:
+            c, b = r.uniform(1 - JITTER, 1 + JITTER), r.uniform(-JITTER, JITTER) * 128
+            im = np.clip((im.astype(np.float32) - 128) * c + 128 + b, 0, 255).astype(np.uint8)
+        out.append(im)
     return np.ascontiguousarray(np.stack(out))
 
 
@@ -183,36 +219,51 @@ def build(cfg, run_dir: Path) -> Training:
         images, labels, info = load_folder(Path(cfg.data), cfg.image_size)
     else:
         images, labels, info = load_elpv(cfg.image_size)
-    train_idx, test_idx = stratified_split(info.pop("strata"))
-    x_train, y_train = images[train_idx], labels[train_idx]
+    strata = info.pop("strata")
+    train_idx, test_idx = stratified_split(strata)
+    fit, held = stratified_split(strata[train_idx], VALIDATION_SHARE, seed=SPLIT_SEED + 1)
+    train_idx, val_idx = train_idx[fit], train_idx[held]
+    soft = info.pop("targets", None)
+    targets = soft if SOFT_TARGETS and soft is not None else labels.astype(np.float32)
+    x_train, y_train, t_train = images[train_idx], labels[train_idx], targets[train_idx]
+    x_val, y_val = images[val_idx], labels[val_idx]
     x_test, y_test = images[test_idx], labels[test_idx]
     model = build_model(cfg)
 
     def make_batch(indices, epoch):
         x = to_tensor(augment(x_train[indices], indices, cfg.seed, epoch))
-        return {"x": x, "y": torch.from_numpy(y_train[indices]).float()}
+        return {"x": x, "y": torch.from_numpy(t_train[indices]).float()}
 
     def loss(model, batch):
         return nn.functional.binary_cross_entropy_with_logits(model(batch["x"]).float(), batch["y"])
 
+    chosen = {"threshold": 0.5}
+
     def evaluate(model, device):
+        """The threshold from the validation cells, then the test cells at it (and at 0.5, for the record)."""
+        threshold, why = choose_threshold(predict_proba(model, x_val, device), y_val)
+        chosen["threshold"] = threshold
         probs = predict_proba(model, x_test, device)
-        return metrics.binary(probs, y_test)
+        out = metrics.binary(probs, y_test, threshold)
+        at_half = metrics.binary(probs, y_test)
+        return out | {"threshold_origin": why, "accuracy@0.5": at_half["accuracy"], "recall@0.5": at_half["recall"]}
 
     majority = int(np.bincount(y_train, minlength=2).argmax())
     baseline = {"name": "majority class", **metrics.binary(np.full(len(y_test), float(majority)), y_test)}
-    baseline["roc_auc"] = 0.5
+    baseline |= {"roc_auc": 0.5, "accuracy@0.5": baseline["accuracy"], "recall@0.5": baseline["recall"]}
 
     def save(model, run_dir: Path) -> list[str]:
-        meta = {"classes": info["classes"], "image_size": cfg.image_size, "threshold": 0.5, "base": cfg.base}
+        meta = {"classes": info["classes"], "image_size": cfg.image_size, "base": cfg.base, **chosen}
         (run_dir / "labels.json").write_text(json.dumps(meta, indent=1))
         return ["labels.json", *save_weights(model, run_dir)]
 
     info |= {
         "train": len(train_idx),
+        "validation": len(val_idx),
         "test": len(test_idx),
         "positive_share": float(labels.mean()),
-        "published": {"accuracy": 0.8842, "source": "Deitsch et al., Solar Energy 2019 (arXiv 1807.02894)"},
+        # their CNN's decision is its likelier class: the rule of accuracy@0.5
+        "published": {"accuracy@0.5": 0.8842, "source": "Deitsch et al., Solar Energy 2019 (arXiv 1807.02894)"},
     }
     return Training(
         "defects",
@@ -222,7 +273,8 @@ def build(cfg, run_dir: Path) -> Training:
         loss,
         evaluate,
         save,
-        defaults={"epochs": 20, "batch_size": 32, "lr": 2e-3},
+        # 50 epochs: 84.3 % accuracy at 0.5 in 5.7 min here against 81.5 % for 20 (README, defects quality)
+        defaults={"epochs": 50, "batch_size": 32, "lr": 2e-3},
         baseline=baseline,
         info=info,
     )
