@@ -447,9 +447,14 @@ class TrainPlan(Result):
 class Measured(Result):
     """What the run measured, against the plan."""
 
-    peak_bytes: int | None = Field(None, description="measured peak memory, bytes")
+    peak_bytes: int | None = Field(None, description="measured peak memory, bytes (tensors, as the plan counts)")
     step_time_s: Number | None = Field(None, description="median seconds per step after the first")
     method: str | None = Field(None, description="how memory was measured")
+    process_peak_bytes: int | None = Field(
+        None,
+        description="CPU: the process's resident high-water growth over the steps plus the weights, which also "
+        "holds allocator caching and library buffers (for sizing a machine)",
+    )
 
 
 class EstimateError(Result):

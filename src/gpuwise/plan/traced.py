@@ -212,6 +212,17 @@ def trace(name: str, build, acc: Accelerator, precision: str, shards: int = 1) -
 
 
 def _trace(name: str, build, acc: Accelerator, precision: str, peak: float, mesh) -> Traced:
+    roof = Roofline(peak * 1e12, acc.mem_bw_gbs * 1e9)
+    memory = traced_step(build, precision, mesh, roof)
+    tensors = memory.pop("tensors") or sum(memory.values())
+    memory["overhead"] = OVERHEAD_BYTES.value + ALLOCATOR_SLACK.value * tensors
+    memory["total"] = tensors + memory["overhead"]
+    return Traced(name, memory, roof.flops, roof.bytes, roof.seconds)
+
+
+def traced_step(build, precision: str, mesh=None, roof: TorchDispatchMode | None = None, device: str = "cpu") -> dict:
+    """Peak memory by category (and "tensors", their sum at the peak) of the second of two training steps
+    of `build()`'s (model, loss_fn), run on fake tensors; `roof` counts the second step's work."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -227,29 +238,37 @@ def _trace(name: str, build, acc: Accelerator, precision: str, peak: float, mesh
 
             model = fully_shard_model(model, mesh)  # as `gpuwise train --strategy fsdp` shards it
         trainable = [p for p in model.parameters() if p.requires_grad]
-        opt = adamw(trainable, 1e-4, "cpu", sharded=mesh is not None)  # the optimizer `gpuwise train` makes
+        opt = adamw(trainable, 1e-4, device, sharded=mesh is not None)  # the optimizer `gpuwise train` makes
 
         def step():
-            with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            with torch.autocast(device, dtype=dtype, enabled=autocast):
                 loss = loss_fn()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
         step()  # the optimizer states now exist, as in every step after the first
-        roof = Roofline(peak * 1e12, acc.mem_bw_gbs * 1e9)
         if mesh is None:
             tracker = MemTracker()
             tracker.track_external(model, opt)
         else:
             tracker = FSDPMemTracker(model, opt)
-        with tracker, roof:
+        with tracker, roof or contextlib.nullcontext():
             step()
-    memory = _by_category(next(iter(tracker.get_tracker_snapshot("peak").values())))
-    tensors = memory.pop("tensors") or sum(memory.values())
-    memory["overhead"] = OVERHEAD_BYTES.value + ALLOCATOR_SLACK.value * tensors
-    memory["total"] = tensors + memory["overhead"]
-    return Traced(name, memory, roof.flops, roof.bytes, roof.seconds)
+    return _by_category(next(iter(tracker.get_tracker_snapshot("peak").values())))
+
+
+def traced_run_memory(model, loss, batch: dict, precision: str, device: str) -> int:
+    """Peak tensor bytes of one training step of a run's own model (its weights copied as fake tensors, so
+    no memory is taken) on `batch`: what `gpuwise train` plans for a model the analytic formulas do not
+    cover. `loss(model, batch)` is the workload's loss; precision "bf16", "fp16" or "fp32"."""
+    import copy
+
+    def build():
+        fake = copy.deepcopy(model)  # under FakeTensorMode: every parameter and buffer becomes a fake tensor
+        return fake, lambda: loss(fake, batch)
+
+    return int(traced_step(build, precision, device=device)["tensors"])
 
 
 def traced_plan(name: str, build, acc: Accelerator, precision: str, efficiency: float | None, shards: int = 1) -> dict:

@@ -11,6 +11,7 @@ masks would differ between 1 and N processes; resume restores the RNG, so it sta
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import signal
@@ -138,6 +139,8 @@ def _train(run: Run, console) -> dict | None:
     # --- train ----------------------------------------------------------------------------
     inject, stop = fit.OOMInjector(), StopFlag()
     mem = measure.PeakMemory(accelerator, sum(p.numel() * p.element_size() for p in raw.parameters()))
+    step_peak = measure.StepPeak(accelerator)
+    measured_step = step + 1 if total - step > 1 else step
     progress = _progress(console, total, step) if fabric.is_global_zero and console else None
     times, loss_value, t_run = [], float("nan"), time.perf_counter()
     before = None
@@ -148,46 +151,51 @@ def _train(run: Run, console) -> dict | None:
     try:
         while step < total:
             t0 = time.perf_counter()
-            rng = forward_rng()  # torch's generators only: the forward's dropout is all that draws from them
-            while True:
-                try:
-                    inject.check(step, micro)
-                    loss_value = forward_backward(run, step, micro)
-                    break
-                except Exception as e:  # noqa: BLE001 - only an OOM is handled; everything else propagates
-                    if not fit.is_oom(e) or micro == 1:
-                        raise
-                    optimizer.zero_grad(set_to_none=True)
-                    if accelerator == "cuda":
-                        torch.cuda.empty_cache()
-                    set_forward_rng(rng)  # the retried step draws the same dropout masks
-                    oom_events.append({"step": step, "from": micro, "to": max(1, micro // 2)})
-                    micro = max(1, micro // 2)
-                    say(
-                        fabric,
-                        f"gpuwise: out of memory at step {step}: micro-batch now {micro}, "
-                        f"accumulation {math.ceil(share / micro)} (global batch {cfg.batch_size} kept)",
-                    )
-            fabric.clip_gradients(model, optimizer, max_norm=1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            # The step after this process's first (the optimizer states exist by then) is measured the way
+            # the plan counts memory: tensors only (measure.StepPeak).
+            with step_peak if step == measured_step else contextlib.nullcontext():
+                rng = forward_rng()  # torch's generators only: the forward's dropout is all that draws from them
+                while True:
+                    try:
+                        inject.check(step, micro)
+                        loss_value = forward_backward(run, step, micro)
+                        break
+                    except Exception as e:  # noqa: BLE001 - only an OOM is handled; everything else propagates
+                        if not fit.is_oom(e) or micro == 1:
+                            raise
+                        optimizer.zero_grad(set_to_none=True)
+                        if accelerator == "cuda":
+                            torch.cuda.empty_cache()
+                        set_forward_rng(rng)  # the retried step draws the same dropout masks
+                        oom_events.append({"step": step, "from": micro, "to": max(1, micro // 2)})
+                        micro = max(1, micro // 2)
+                        say(
+                            fabric,
+                            f"gpuwise: out of memory at step {step}: micro-batch now {micro}, "
+                            f"accumulation {math.ceil(share / micro)} (global batch {cfg.batch_size} kept)",
+                        )
+                fabric.clip_gradients(model, optimizer, max_norm=1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
             if accelerator == "cuda":
                 torch.cuda.synchronize()
             step += 1
             if world > 1:
                 loss_value = fabric.all_reduce(torch.tensor(loss_value, device=fabric.device), reduce_op="mean").item()
-            times.append(time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            if step - 1 != measured_step or accelerator != "cpu":  # a profiled step is slower: not timed
+                times.append(took)
             rec.log(
                 step,
                 loss=loss_value,
                 lr=scheduler.get_last_lr()[0],
-                step_time_s=times[-1],
-                samples_per_s=cfg.batch_size / times[-1],
+                step_time_s=took,
+                samples_per_s=cfg.batch_size / took,
                 micro_batch=micro,
             )
             if progress:
-                progress[0].update(progress[1], completed=step, loss=loss_value, sps=cfg.batch_size / times[-1])
+                progress[0].update(progress[1], completed=step, loss=loss_value, sps=cfg.batch_size / took)
             if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
                 with mem.paused():
                     evaluation = work.evaluate(model, fabric.device)
@@ -249,8 +257,9 @@ def _train(run: Run, console) -> dict | None:
         final_loss=loss_value,
         evaluation=evaluation,
         before=before,
-        peak_bytes=peak_bytes,
-        memory_method=mem.method,
+        peak_bytes=step_peak.bytes if step_peak.bytes else peak_bytes,
+        memory_method=step_peak.method if step_peak.bytes else mem.method,
+        process_peak_bytes=peak_bytes if accelerator == "cpu" else None,
         files=files,
         started=t_run,
     )

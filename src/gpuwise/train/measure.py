@@ -4,6 +4,8 @@ device's peak, and peak memory (CUDA's allocator, or the process's resident high
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -194,15 +196,91 @@ class PeakMemory:
                 self._reset_hwm()
 
 
-def measured_step(workload: str) -> tuple[float, float]:
-    """Peak tensor memory and FLOPs of one real training step of a workload's model (bench sizes), after a
-    first step that creates the optimizer states. Memory: the profiler's memory timeline, which rebuilds
-    every allocation from the profiler's own events: an independent check on the traced planner."""
+class StepPeak:
+    """The peak tensor memory of one real training step, counted as the plan counts it: on CUDA the caching
+    allocator's allocated peak (reset as the step starts); on the CPU the profiler's memory timeline, which
+    rebuilds every allocation of the step from the profiler's own events (weights, gradients and optimizer
+    states included). None elsewhere."""
+
+    def __init__(self, accelerator: str):
+        self.accelerator = accelerator
+        self.bytes: int | None = None
+        self.method = {
+            "cuda": "torch.cuda.max_memory_allocated over one step",
+            "cpu": "the profiler's memory timeline over one step (tensors)",
+        }.get(accelerator)
+
+    def __enter__(self):
+        if self.accelerator == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        elif self.accelerator == "cpu":
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(
+                activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+            )
+            # the whole step: the allocator warns of each block freed in it that was allocated before
+            self._quiet = _quiet_stderr()
+            self._quiet.__enter__()
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.accelerator == "cuda":
+            torch.cuda.synchronize()
+            self.bytes = int(torch.cuda.max_memory_allocated())
+        elif self.accelerator == "cpu":
+            try:
+                self._prof.__exit__(*exc)
+                if exc[0] is None:
+                    self.bytes = timeline_peak(self._prof)
+            except Exception:  # noqa: BLE001 - the timeline's data-flow analysis asserts on some graphs (FSDP2's)
+                self.bytes = None  # the process figure stands in, and the summary names that method
+            finally:
+                self._quiet.__exit__(None, None, None)
+
+    def __call__(self, fn):
+        with self:
+            fn()
+        return self.bytes
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Mute file descriptor 2: the profiler's C++ side prints a line as it starts and stops, and a warning for
+    each block freed under it that was allocated before it started, none of which a user should read."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def timeline_peak(prof) -> int:
+    """The highest total of live tensor bytes in a finished CPU profile's memory timeline."""
     import json
     import tempfile
     import warnings
 
-    from torch.profiler import ProfilerActivity, profile
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "timeline.json"
+        with warnings.catch_warnings():
+            # Deprecated in favour of torch.cuda.memory's snapshots, which have no CPU counterpart.
+            warnings.simplefilter("ignore", FutureWarning)
+            prof.export_memory_timeline(str(path), device="cpu")
+        _, sizes = json.loads(path.read_text())
+    return int(max((sum(s) for s in sizes), default=0))
+
+
+def measured_step(workload: str) -> tuple[float, float]:
+    """Peak tensor memory and FLOPs of one real training step of a workload's model (bench sizes), after a
+    first step that creates the optimizer states. Memory: the profiler's memory timeline (StepPeak), an
+    independent check on the traced planner."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from gpuwise.plan.optim import adamw
@@ -218,16 +296,8 @@ def measured_step(workload: str) -> tuple[float, float]:
         opt.zero_grad(set_to_none=True)
 
     step()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        step()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "timeline.json"
-        with warnings.catch_warnings():
-            # Deprecated in favour of torch.cuda.memory's snapshots, which have no CPU counterpart.
-            warnings.simplefilter("ignore", FutureWarning)
-            prof.export_memory_timeline(str(path), device="cpu")
-        _, sizes = json.loads(path.read_text())
+    peak = StepPeak("cpu")(step)
     counter = FlopCounterMode(display=False)
     with counter:
         step()
-    return float(max(sum(s) for s in sizes)), float(counter.get_total_flops())
+    return float(peak or 0), float(counter.get_total_flops())

@@ -88,8 +88,12 @@ def render(console: Console, summary: TrainSummary | dict) -> None:
     for name, other in also.items():
         if other.get("skipped"):
             console.print(f"[dim]{name}: skipped: {other['skipped']}[/]")
+    if ev.get("threshold_origin"):
+        console.print(f"[dim]decision threshold {ev['threshold_origin']}[/]")
     if published:
         console.print(f"[dim]published: {published.get('source')}[/]")
+    if (s.data or {}).get("loss"):
+        console.print(f"[dim]loss: {s.data['loss']}[/]")
     for text in ev.get("samples", []):
         console.print(f"[dim]sample:[/] {text}")
     tp = s.throughput
@@ -122,6 +126,11 @@ def render(console: Console, summary: TrainSummary | dict) -> None:
     )
     console.print(t)
     console.print(f"[dim]plan: {plan.method}; actual memory: {actual.method}[/]")
+    if actual.process_peak_bytes:
+        console.print(
+            f"[dim]process memory: {actual.process_peak_bytes / GiB:.2f} GiB (resident growth over the steps + "
+            "weights: the allocator's cache and library buffers too, what to size a machine by)[/]"
+        )
     if plan.efficiency_origin:
         console.print(f"[dim]plan efficiency {plan.efficiency:.3g}: {plan.efficiency_origin}[/]")
     if s.projection:

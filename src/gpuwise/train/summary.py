@@ -22,6 +22,7 @@ def summarize(
     peak_bytes: int | None,
     memory_method: str | None,
     files: list[str],
+    process_peak_bytes: int | None = None,
     started: float,
 ) -> dict[str, Any] | None:
     """Summarize the run, record it (rank 0) and write summary.json; the summary as JSON on rank 0, else None.
@@ -36,7 +37,12 @@ def summarize(
     steady = times[1:] or times  # the first step pays for warm-up
     step_time = float(np.median(steady)) if steady else None
     samples_per_s = cfg.batch_size / step_time if step_time else None
-    actual = {"peak_bytes": peak_bytes, "step_time_s": step_time, "method": memory_method}
+    actual = {
+        "peak_bytes": peak_bytes,
+        "step_time_s": step_time,
+        "method": memory_method,
+        "process_peak_bytes": process_peak_bytes,
+    }
     summary = TrainSummary.build(
         {
             "workload": cfg.workload,
