@@ -50,6 +50,23 @@ def gpuwise(*args: str) -> list[str]:
     return [sys.executable, "-m", "gpuwise", *args]
 
 
+def gpu_tests(xml: Path) -> list[str]:
+    """The CUDA-only tests, their results as junit XML."""
+    test_file = ROOT / "tests" / "test_gpu.py"
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        str(test_file),
+        f"--junitxml={xml}",
+    ]
+
+
 def steps(out: Path, cuda: bool) -> list[Step]:
     """The checks in order; on a CPU the ones that mean nothing there are left out, and the runs are shorter."""
     device = "cuda" if cuda else "cpu"
@@ -58,18 +75,7 @@ def steps(out: Path, cuda: bool) -> list[Step]:
         Step("bench", gpuwise("bench", "--quick", "--json", "--device", device, "--out", str(out / "bench")), 150),
         Step(
             "gpu tests",
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-m",
-                "gpu",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "tests/test_gpu.py",
-                f"--junitxml={out / 'gpu_tests.xml'}",
-            ],
+            gpu_tests(out / "gpu_tests.xml"),
             180,
             needs_cuda=True,
         ),

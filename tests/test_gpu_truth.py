@@ -72,22 +72,7 @@ def test_the_readers_take_what_the_commands_print(truth, capsys, tmp_path):
     bench = truth.figures_bench(capsys.readouterr().out)
     assert bench["cpu"]["matmul"]["fp32"]["tflops"] > 0 and bench["cpu"]["bandwidth_gbs"] > 0
     xml = tmp_path / "gpu.xml"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-m",
-            "gpu",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(ROOT / "tests" / "test_gpu.py"),
-            f"--junitxml={xml}",
-        ],
-        capture_output=True,
-        cwd=ROOT,
-    )
+    subprocess.run(truth.gpu_tests(xml), capture_output=True, cwd=ROOT)
     tests = truth.figures_gpu_tests(xml)
     assert tests["tests"] >= 2 and tests["skipped"] == tests["tests"] and tests["failed"] == []
     report = {

@@ -3,10 +3,9 @@
 A cell is "defective" when ELPV's defect probability >= 0.5; a fixed, stratified 75/25 split, and 10 % of
 the training cells held back to choose the model's decision threshold (recall of "defective" >= 0.80 on
 them: a missed defect costs a quality line more than a second look). The test cells are scored once, at
-the end, at that threshold. The default
-model is a plain CNN with GroupNorm (its math does not depend on how a batch is split into
-micro-batches, so gradient accumulation, OOM back-off and DDP give the same weights). ``--base``
-fine-tunes a local or hub image model through transformers' from_pretrained instead.
+the end, at that threshold. The default model is a plain CNN with GroupNorm (its math does not depend
+on how a batch is split into micro-batches, so gradient accumulation, OOM back-off and DDP give the same
+weights). ``--base`` fine-tunes a local or hub image model through transformers' from_pretrained instead.
 """
 
 from __future__ import annotations
