@@ -238,3 +238,18 @@ def test_a_producer_cannot_add_a_key_no_model_declares(catalog):
         PlanResult.build(data)
     with pytest.raises(ValueError, match="'extra' is not a declared field of TrainSummary"):
         TrainSummary.build({**OLD_SUMMARY, "extra": 1})
+
+
+def test_the_summary_says_when_the_step_time_plan_is_uncalibrated():
+    """A CPU run planned at the published GPU efficiency says so and how to calibrate; a calibrated one does not."""
+    from gpuwise.plan.request import EFFICIENCY
+    from gpuwise.train.report import render
+
+    def text(origin: str) -> str:
+        plan = {**OLD_SUMMARY["plan"], "step_time_s": 0.001, "efficiency": 0.462, "efficiency_origin": origin}
+        con = Console(file=io.StringIO(), width=150)
+        render(con, {**OLD_SUMMARY, "plan": plan})
+        return con.file.getvalue()
+
+    assert "not calibrated on this CPU; `gpuwise bench --quick` calibrates it" in text(EFFICIENCY.origin)
+    assert "not calibrated" not in text("measured by gpuwise bench on cpu:X (workload.recommender, record #1)")

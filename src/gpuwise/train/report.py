@@ -133,6 +133,12 @@ def render(console: Console, summary: TrainSummary | dict) -> None:
         )
     if plan.efficiency_origin:
         console.print(f"[dim]plan efficiency {plan.efficiency:.3g}: {plan.efficiency_origin}[/]")
+    if plan.efficiency_origin == EFFICIENCY.origin and s.device.startswith("cpu"):
+        # a published GPU figure says little of a CPU's step: the plan's time is a guess until bench has run
+        console.print(
+            "step time: planned at a GPU's published efficiency, not calibrated on this CPU; "
+            "`gpuwise bench --quick` calibrates it for the next run"
+        )
     if s.projection:
         t = Table(
             box=box.SIMPLE_HEAD, pad_edge=False, title="the same run elsewhere (projection)", title_justify="left"
