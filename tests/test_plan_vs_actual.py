@@ -2,7 +2,7 @@
 
 The plan is the best gpuwise has for the model: traced on fake tensors for the models the analytic formulas
 do not cover (the defects CNN, the recommender's embeddings), `gpuwise plan`'s formulas for a Llama. The
-actual is counted as the plan counts: tensors, over one real step (the second, once the optimizer states
+actual is counted as the plan counts: tensors, over one real step (the last: the optimizer states
 exist): on the CPU the profiler's memory timeline. The process's resident growth, which also holds the
 allocator's cache and the math library's buffers, is kept beside it as `process_peak_bytes`.
 """
