@@ -246,21 +246,27 @@ def main() -> int:
     if args.budget < 1:
         ap.error("--budget must be at least 1 second")
 
-    import torch
-
-    cuda = torch.cuda.is_available()
+    try:
+        import torch
+    except ImportError:
+        if not args.dry_run:
+            ap.error(f"{sys.executable} has no torch (README, \"On a GPU\")")
+        torch = None  # a dry run needs none: it lists the steps a CUDA machine would run
+    cuda = torch is not None and torch.cuda.is_available()
     if not cuda and not args.dry_run:
         print("gpu_truth: no CUDA device here; running the CPU parts only (devices, bench, 3-step runs)")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     # the runs' records go to their own database, not the user's
-    env = dict(os.environ, GPUWISE_DB=str(out / "runs.sqlite"), PYTHONPATH=str(ROOT / "tests"))
+    # (gpuwise itself may come from src/ on PYTHONPATH: gpu_truth.sh puts it there on a machine without .venv)
+    path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, GPUWISE_DB=str(out / "runs.sqlite"), PYTHONPATH=path)
     plan = steps(out, cuda or args.dry_run)  # a dry run lists every step, as a CUDA machine would run them
     report: dict = {
         "schema": SCHEMA,
         "dry_run": args.dry_run,
         "cuda": cuda,
-        "torch": torch.__version__,
+        "torch": torch.__version__ if torch is not None else None,
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
         "budget_s": args.budget,
         "steps": {},

