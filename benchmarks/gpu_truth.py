@@ -250,7 +250,7 @@ def main() -> int:
         import torch
     except ImportError:
         if not args.dry_run:
-            ap.error(f"{sys.executable} has no torch (README, \"On a GPU\")")
+            ap.error(f'{sys.executable} has no torch (README, "On a GPU")')
         torch = None  # a dry run needs none: it lists the steps a CUDA machine would run
     cuda = torch is not None and torch.cuda.is_available()
     if not cuda and not args.dry_run:
