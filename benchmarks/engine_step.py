@@ -1,6 +1,7 @@
 """One decode step of the serving engine, in one process, side by side, on SmolLM2-135M-Instruct: the fused
 decoder (serve/decoder.py, what `gpuwise serve` runs for a Llama-family model) and transformers' forward
-through the same engine, in fp32 and in bf16 (its linears packed for oneDNN on a CPU with native bf16), and
+through the same engine, in fp32 and in bf16, the linears of both packed as `gpuwise serve` packs them (for MKL
+in fp32, for oneDNN in bf16 on a CPU with native bf16; the fused fp32 decoder also unpacked), and
 transformers' `generate` at the same batch.
 
 Run: .venv/bin/python benchmarks/engine_step.py [--batches 1,8,32] [--rounds 3] [--steps 16] [--lora 8]
@@ -72,7 +73,7 @@ def main() -> None:
 
     from gpuwise.serve.decoder import fused_decoder
     from gpuwise.serve.engine import Engine
-    from gpuwise.serve.packed import pack_linears, packable
+    from gpuwise.serve.packed import pack_linears, packing
     from gpuwise.workloads.pretrained import resolve_base
 
     hf_logging.set_verbosity_error()
@@ -84,11 +85,11 @@ def main() -> None:
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     batches = [int(b) for b in args.batches.split(",")]
 
-    def engine(model, fuse: bool = False) -> Engine:
+    def engine(model, fuse: bool = False, pack: bool = True) -> Engine:
         decoder = None
         if fuse:  # as `gpuwise serve` builds it: checked against transformers' at load
             model = copy.deepcopy(model)
-            decoder, note = fused_decoder(model, pack=packable("cpu", model.dtype))
+            decoder, note = fused_decoder(model, pack=packing("cpu", model.dtype) if pack else None)
             if decoder is None:
                 raise SystemExit(f"the fused decoder is not used for this model: {note}")
         kw = {"max_seqs": max(batches), "kv_budget_tokens": 1 << 20, "max_queue": 1, "context": 2048}
@@ -109,11 +110,16 @@ def main() -> None:
                 if "lora_B" in name:
                     p.normal_(0, 0.02)
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
-    packed = copy.deepcopy(bf16)
-    if packable("cpu", torch.bfloat16):
-        pack_linears(packed)
-    variants = {"fp32": engine(fp32), "fp32 fused": engine(fp32, fuse=True)}
-    variants |= {"bf16": engine(packed), "bf16 fused": engine(bf16, fuse=True)}
+
+    def packed(model):
+        model, kind = copy.deepcopy(model), packing("cpu", model.dtype)
+        if kind:
+            pack_linears(model, kind)
+        return model
+
+    variants = {"fp32": engine(packed(fp32)), "fp32 fused": engine(fp32, fuse=True)}
+    variants |= {"fp32 fused unpacked": engine(fp32, fuse=True, pack=False)}
+    variants |= {"bf16": engine(packed(bf16)), "bf16 fused": engine(bf16, fuse=True)}
     generate = {"fp32 generate": fp32, "bf16 generate": bf16}
     names = list(variants) + list(generate)
     steps: dict[tuple[str, int], list[float]] = {(v, b): [] for v in names for b in batches}
@@ -131,21 +137,22 @@ def main() -> None:
         f"({len(ids)}-token prompt), {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, {args.rounds} rounds interleaved; median ms per step (tokens/s)"
     )
-    print(f"{'batch':>5}" + "".join(f"{n:>22}" for n in names))
+    print(f"{'batch':>5}" + "".join(f"{n:>21}" for n in names))
     for b in batches:
         cells = []
         for n in names:
             ms = statistics.median(steps[n, b]) * 1e3
             cells.append(f"{ms:.1f} ms ({b / ms * 1e3:.0f}/s)")
-        print(f"{b:>5}" + "".join(f"{c:>22}" for c in cells))
-    print("bf16: its linears packed for oneDNN" if packable("cpu", torch.bfloat16) else "bf16: not packed here")
+        print(f"{b:>5}" + "".join(f"{c:>21}" for c in cells))
+    print(f"packed: fp32 for {packing('cpu', torch.float32)}, bf16 for {packing('cpu', torch.bfloat16)}")
     for b in batches:
         med = {k: statistics.median(v) for (k, bb), v in steps.items() if bb == b}
         ratio = {d: med[d] / med[f"{d} fused"] for d in ("fp32", "bf16")}
         vs32 = med["fp32 fused"] / med["bf16 fused"]
+        pack = med["fp32 fused unpacked"] / med["fp32 fused"]
         print(
             f"batch {b}: fused / transformers' forward = {ratio['fp32']:.2f}x in fp32, {ratio['bf16']:.2f}x in bf16;"
-            f" fused bf16 / fused fp32 = {vs32:.2f}x"
+            f" fused bf16 / fused fp32 = {vs32:.2f}x; fp32 fused packed for MKL / not packed = {pack:.2f}x"
         )
 
 

@@ -1,6 +1,6 @@
 """The fused Llama-family forward (serve/decoder.py) against transformers' own, on tiny models built from configs:
-Llama (grouped-query), Qwen2 (biases on q/k/v), Mistral; fp32 and bf16, packed for oneDNN where this CPU can.
-What it does not cover, and a fused forward that disagrees at load, fall back to transformers'."""
+Llama (grouped-query), Qwen2 (biases on q/k/v), Mistral; fp32 and bf16, packed for MKL (fp32) and oneDNN (bf16)
+where this CPU can. What it does not cover, and a fused forward that disagrees at load, fall back to transformers'."""
 
 import copy
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpuwise.serve import decoder as fused
-from gpuwise.serve.packed import packable
+from gpuwise.serve.packed import MKL, ONEDNN, packing
 
 
 def tiny(kind: str, **extra):
@@ -35,7 +35,7 @@ def test_the_fused_forward_gives_transformers_logits(kind, dtype):
     ids = torch.tensor([[5, 17, 101, 44, 9, 250, 3, 77, 12, 60]])
     with torch.inference_mode():
         expected = reference(input_ids=ids).logits[0, -1].float()
-    pack = packable("cpu", dtype)
+    pack = packing("cpu", dtype)
     decoder, note = fused.fused_decoder(model, pack)
     assert decoder is not None, note
     assert "fused decoder" in note
@@ -50,25 +50,28 @@ def test_the_fused_forward_gives_transformers_logits(kind, dtype):
         got = decoder(ids, pos, additive_mask(pos.view(1, 1, n, 1) >= pos.view(1, 1, 1, n), dtype), cache)[0]
     off = float((got - expected).abs().max() / expected.abs().max())
     assert off <= fused.TOLERANCE[dtype], off
-    # packed: the plain weights of the fused layers are dropped (nothing is held twice but a tied output layer)
+    # packed for oneDNN: the plain weights of the fused layers are dropped (nothing is held twice but a tied
+    # output layer); for MKL they stay, for products of few rows, and the packed copies are counted
     layer = model.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj, fused.Moved) == pack
-    assert decoder.packed() == ((2 * 4 + 1) if pack else 0, 0)
+    assert isinstance(layer.self_attn.q_proj, fused.Moved) == (pack == ONEDNN)
+    products, added = decoder.packed()
+    assert products == ((2 * 4 + 1) if pack else 0)
+    assert (added > 0) == (pack == MKL)
 
 
 def test_what_it_does_not_cover_is_served_by_transformers_forward():
     gemma = tiny("gemma")  # scaled embeddings, GELU, (1 + w) norms: another layer
-    assert fused.fused_decoder(gemma, pack=False) == (None, "transformers' (model type 'gemma' is not one of "
+    assert fused.fused_decoder(gemma, pack=None) == (None, "transformers' (model type 'gemma' is not one of "
                                                              "['llama', 'mistral', 'qwen2'])")
     windowed = tiny("mistral", sliding_window=16)
-    decoder, note = fused.fused_decoder(windowed, pack=False)
+    decoder, note = fused.fused_decoder(windowed, pack=None)
     assert decoder is None and "sliding-window attention (16 tokens)" in note
 
 
 def test_a_fused_forward_that_disagrees_with_transformers_is_not_used(monkeypatch):
     model = tiny("llama")
     monkeypatch.setattr(fused, "_rms", lambda x, norm: x)  # a forward that forgets its norms
-    decoder, note = fused.fused_decoder(model, pack=False)
+    decoder, note = fused.fused_decoder(model, pack=None)
     assert decoder is None and "off it at load" in note
 
 
@@ -86,7 +89,7 @@ def test_lora_adapters_are_applied_row_by_row_as_peft_does(dtype):
                 p.normal_(0, 0.5)
     model = model.to(dtype).eval()
     reference = copy.deepcopy(model)
-    decoder, note = fused.fused_decoder(model, packable("cpu", dtype))
+    decoder, note = fused.fused_decoder(model, packing("cpu", dtype))
     assert decoder is not None, note
     ids = torch.tensor([[5, 17, 101, 44, 9, 250, 3, 77]] * 4)
     adapters = ["a", None, "b", "a"]  # one batch, three answers

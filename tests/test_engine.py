@@ -72,20 +72,26 @@ def engine(model, tok, **kw) -> Engine:
 
 @pytest.mark.parametrize(
     ("fused", "prefix"),
-    [(False, 0), (False, 1000), (True, 1000)],
-    ids=["transformers-forward", "transformers-forward-prefix-cache", "fused-decoder-prefix-cache"],
+    [(False, 0), (False, 1000), (True, 1000), ("packed", 1000)],
+    ids=["transformers-forward", "transformers-forward-prefix-cache", "fused-decoder-prefix-cache",
+         "fused-decoder-packed-prefix-cache"],
 )
 def test_greedy_equals_generate_alone_in_a_full_batch_and_when_joining_midway(tiny, fused, prefix):
-    """With a prefix cache every prompt after the first pass is found in it, all but its last token."""
+    """With a prefix cache every prompt after the first pass is found in it, all but its last token. Packed:
+    the fused decoder's products packed for MKL (serve/packed.py) from 4 rows up, F.linear below."""
     from gpuwise.serve.decoder import FusedDecoder
     from gpuwise.serve.engine import EngineStats
+    from gpuwise.serve.packed import packing
+
+    if fused == "packed" and packing("cpu", torch.float32) is None:
+        pytest.skip("this PyTorch build has no MKL packed product")
 
     model, tok, texts = tiny
     prompts = [" ".join(t.split()[: 2 + i]) for i, t in enumerate(texts[:8])]  # 2 to 9 words: ragged
     expected = [reference(model, tok, q) for q in prompts]
     reused = []
     stats = EngineStats(on_prefill=lambda tokens, hits: reused.append(hits))
-    decoder = FusedDecoder(model, pack=False) if fused else None
+    decoder = FusedDecoder(model, pack=packing("cpu", torch.float32) if fused == "packed" else None) if fused else None
     e = engine(model, tok, decoder=decoder, prefix_tokens=prefix, stats=stats)
     try:
         alone = []

@@ -10,10 +10,10 @@ projections) are applied row by row as peft's mixed-adapter batch does: each ada
 scaling * B(A(x)) on their columns of the fused product.
 
 It reads the model's own weights: q/k/v and gate/up are concatenated once (the model's modules are then
-given views of the concatenated tensor, so nothing is held twice), and on a CPU in bf16 every product is
-packed for oneDNN (serve/packed.py). `FusedDecoder.check` compares it with transformers' forward at load
-on a short prompt, for the base and each adapter; a model it does not cover, or one that disagrees, is
-served by transformers' forward."""
+given views of the concatenated tensor, so nothing is held twice), and on a CPU every product is packed for
+oneDNN (bf16) or MKL (fp32) where `pack` says so (serve/packed.py). `FusedDecoder.check` compares it with
+transformers' forward at load on a short prompt, for the base and each adapter; a model it does not cover, or
+one that disagrees, is served by transformers' forward."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpuwise.serve.packed import PackedLinear, pack_weight, packed_linear
+from gpuwise.serve.packed import ONEDNN, Packed, PackedLinear
 
 log = logging.getLogger("gpuwise.serve")
 
@@ -40,7 +40,7 @@ FAMILY = {"llama", "mistral", "qwen2"}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 
 
-def fused_decoder(model, pack: bool) -> tuple[FusedDecoder | None, str]:
+def fused_decoder(model, pack: str | None) -> tuple[FusedDecoder | None, str]:
     """The fused forward for `model` where it covers it and agrees with transformers' at load, else None;
     and one line saying which forward serves it, and why."""
     why = unsupported(model)
@@ -105,18 +105,18 @@ def _lora_unsupported(model) -> str | None:
 
 
 class _Linear:
-    """One product, packed for oneDNN where that applies (then the plain weight is not kept), and its LoRA
-    adapters' low-rank updates: per adapter, the products A and B (the scaling folded into B)."""
+    """One product, packed where `pack` names a packing (serve/packed.py), and its LoRA adapters' low-rank
+    updates: per adapter, the products A and B (the scaling folded into B)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: str | None):
         self.bias = bias
-        self.packed = pack_weight(weight) if pack else None
-        self.weight = None if pack else weight
+        self.packed = Packed(weight, bias, pack) if pack else None
+        self.weight = None if self.packed is not None and self.packed.weight is None else weight
         self.loras: dict[str, tuple[_Linear, _Linear]] = {}
 
     def __call__(self, x: torch.Tensor, groups: Groups = ()) -> torch.Tensor:
         if self.packed is not None:
-            out = packed_linear(x, self.packed, self.bias)
+            out = self.packed(x)
         else:
             assert self.weight is not None
             out = F.linear(x, self.weight, self.bias)
@@ -151,7 +151,7 @@ def _weight(linear: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     return linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
 
 
-def _fuse(parent: Any, names: list[str], pack: bool) -> _Linear:
+def _fuse(parent: Any, names: list[str], pack: str | None) -> _Linear:
     """One product for several linears that read the same input; the modules keep views of the joint weight,
     and their LoRA adapters update their own columns of it."""
     parts = [_weight(getattr(parent, n)) for n in names]
@@ -185,7 +185,7 @@ def _fuse(parent: Any, names: list[str], pack: bool) -> _Linear:
 
 
 class _Layer:
-    def __init__(self, layer: Any, pack: bool):
+    def __init__(self, layer: Any, pack: str | None):
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = _fuse(attn, ["q_proj", "k_proj", "v_proj"], pack)
         self.o = _fuse(attn, ["o_proj"], pack)
@@ -205,7 +205,7 @@ def _rms(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
 class FusedDecoder:
     """The forward pass of a Llama-family model over the engine's `SlotCache`: logits of each row's last column."""
 
-    def __init__(self, model, pack: bool):
+    def __init__(self, model, pack: str | None):
         self.adapters = set(model.peft_config) if hasattr(model, "peft_config") else set()
         model = model.get_base_model() if self.adapters else model
         cfg = model.config
@@ -221,16 +221,19 @@ class FusedDecoder:
         self.head = _Linear(*_weight(model.lm_head), pack)
 
     def packed(self) -> tuple[int, int]:
-        """(products packed for oneDNN, bytes of the tied output layer's weight that are held twice for it)."""
+        """(products packed, bytes packing added: MKL's packed copies, or for oneDNN the tied output layer's
+        weight, held twice)."""
         linears = [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.head]
         n = sum(x.packed is not None for x in linears)
-        tied = self.head.packed is not None and self.tied
-        return n, self.embed.numel() * self.embed.element_size() if tied else 0
+        added = sum(x.packed.added for x in linears if x.packed is not None)
+        if self.head.packed is not None and self.head.packed.kind == ONEDNN and self.tied:
+            added += self.embed.numel() * self.embed.element_size()
+        return n, added
 
     def release(self, model) -> None:
-        """Once packed copies serve every product, drop the model's plain weights of the same layers (an output
-        layer tied to the embedding stays: the embedding reads it; LoRA's matrices stay where they are)."""
-        if self.head.packed is None:
+        """Once packed copies serve every product alone (oneDNN's), drop the model's plain weights of the same
+        layers (an output layer tied to the embedding stays: the embedding reads it; LoRA's matrices stay)."""
+        if self.head.weight is not None:
             return
         model = model.get_base_model() if self.adapters else model
         for layer in model.model.layers:

@@ -32,7 +32,7 @@ from gpuwise.serve.engine import (
     kv_bytes_per_token,
     kv_shape,
 )
-from gpuwise.serve.packed import pack_linears, packable
+from gpuwise.serve.packed import MKL, ONEDNN, mkl_fits, pack_linears, packing
 from gpuwise.workloads.serving import ClientError, Limits, ServeContext, Text
 
 RETRY_AFTER_S = 1  # what a 429 tells the client: the queue moves every decode step (tens of ms)
@@ -77,12 +77,16 @@ class Backend:
         self.tok, self.precision = tok, dtype
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         self.model = model.to(device, torch_dtype).eval()
-        pack = packable(device, torch_dtype)  # bf16 on a CPU: weights reordered for oneDNN once (serve/packed.py)
-        self.decoder, self.forward_note = fused_decoder(self.model, pack)
+        # on a CPU the weights are packed once for oneDNN (bf16) or MKL (fp32): serve/packed.py
+        self.pack, self.pack_note = packing(device, torch_dtype), ""
+        if self.pack == MKL:
+            fits, self.pack_note = mkl_fits(self.model, _free_bytes(device))
+            self.pack = self.pack if fits else None
+        self.decoder, self.forward_note = fused_decoder(self.model, self.pack)
         if self.decoder is not None:
             self.packed, self.packed_bytes = self.decoder.packed()
         else:
-            self.packed, self.packed_bytes = pack_linears(self.model) if pack else (0, 0)
+            self.packed, self.packed_bytes = pack_linears(self.model, self.pack) if self.pack else (0, 0)
         self.context = int(getattr(model.config, "max_position_embeddings", None) or 2048)
         self.kv_bytes_per_token = kv_bytes_per_token(*kv_shape(model.config), torch_dtype)
         # the prefix cache, full, comes out of the same memory as the running sequences' cache
@@ -136,9 +140,15 @@ class Backend:
                 if self.engine.prefixes
                 else ""
             )
-            + (f"; {self.packed} weight matrices packed for oneDNN" if self.packed else "")
-            + (f" (+{self.packed_bytes / 1e6:.0f} MB: tied weights held twice)" if self.packed_bytes else "")
+            + self._packing()
         )
+
+    def _packing(self) -> str:
+        if not self.packed:
+            return f"; not packed: {self.pack_note}" if self.pack_note else ""
+        held = {ONEDNN: "tied weights held twice", MKL: "packed copies beside the plain weights"}
+        extra = f" (+{self.packed_bytes / 1e6:.0f} MB: {held[self.pack or '']})" if self.packed_bytes else ""
+        return f"; {self.packed} weight matrices packed for {self.pack}{extra}"
 
 
 class LLM:

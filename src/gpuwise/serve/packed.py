@@ -1,85 +1,157 @@
-"""bf16 linear layers prepacked for oneDNN, for inference on a CPU.
+"""Linear layers whose weights are packed once for the CPU library that multiplies them, for inference.
 
-In bf16 on a CPU, `F.linear` hands oneDNN a plain [out, in] weight, which oneDNN reorders into its blocked
-AMX / AVX512-BF16 layout on every call: at the small batches of decoding that reorder costs more than the
-product. Reordered once at load, SmolLM2's products ran 1.3-2.8x faster on 2 Xeon cores with AMX (batch 1
-and 32), and a whole decode step 1.11x / 1.24x / 1.19x faster at batch 1 / 8 / 32
-(`benchmarks/engine_step.py`, interleaved in one process), with results bitwise equal to `F.linear` for a
-contiguous input (tests/test_packed.py).
+bf16, oneDNN: `F.linear` hands oneDNN a plain [out, in] weight, which oneDNN reorders into its blocked AMX /
+AVX512-BF16 layout on every call: at the small batches of decoding that reorder costs more than the product.
+Reordered once at load, SmolLM2's products ran 1.3-2.8x faster on 2 Xeon cores with AMX (batch 1 and 32), and
+a whole decode step 1.11x / 1.24x / 1.19x faster at batch 1 / 8 / 32 (`benchmarks/engine_step.py`,
+interleaved in one process), bitwise equal to `F.linear` for a contiguous input (tests/test_packed.py). The
+plain weight is dropped.
 
-This is what `ipex.optimize` and inductor's freezing pass do. IPEX is retired, and torch.compile took
-six minutes to compile SmolLM2-135M on this machine for a smaller gain (60-76 ms per batch-32 step,
-against 52-57 ms packed), so the two oneDNN ops inductor emits are called directly. They are private
-to PyTorch (`torch.ops.mkldnn`): `packable` checks they are there, and nothing is packed where they are not.
+fp32, MKL: MKL's GEMM likewise packs the weight on every call. Packed once (`cblas_sgemm_pack`, through
+PyTorch's `mkl::_mkl_linear`), SmolLM2's 151 products summed 1.3-2.2x faster from 4 rows up (22 against 47 ms
+at 8 rows, 46 against 74 at 32; 0.9x at 1-3 rows, so those still run `F.linear` on the plain weight, which is
+kept), bitwise equal to `F.linear` at the same rows; a decode step of the fused decoder 1.38x / 1.23x faster
+at batch 8 / 32 and the same at 1. The price is memory: MKL's packed copy is 2-9x the weight (2.0 GB beside
+SmolLM2-135M's 0.54 GB of fp32 linears), so `mkl_fits` packs only what takes under a quarter of the free memory.
+The copy does not depend on the row count it was packed for (tests/test_packed.py checks 1-40 rows).
+
+This is what `ipex.optimize` and inductor's freezing pass do. IPEX is retired, and torch.compile took six
+minutes to compile SmolLM2-135M on this machine for a smaller gain (60-76 ms per batch-32 bf16 step, against
+52-57 ms packed), so the ops inductor emits are called directly. They are private to PyTorch
+(`torch.ops.mkldnn`, `torch.ops.mkl`): `packing` checks they are there, and nothing is packed where they are not.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger("gpuwise.serve")
 
+ONEDNN, MKL = "oneDNN", "MKL"
 
-def packable(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether this PyTorch build packs bf16 linears for oneDNN on this device."""
-    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
-        return False
-    ops = torch.ops.mkldnn
+# Products of fewer rows run F.linear on the plain weight: MKL's packed product was 0.9x it at 1-3 rows and
+# 1.5-2.2x at 4-8 (SmolLM2-135M's 151 products, 2 Xeon cores, weights rotated so that none stays in cache).
+MKL_MIN_ROWS = 4
+
+
+def packing(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Which packing this PyTorch build has for linears of `dtype` on `device`: ONEDNN, MKL or None."""
+    if torch.device(device).type != "cpu":
+        return None
     try:
-        return bool(ops._is_mkldnn_bf16_supported()) and all(
-            hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise")
-        )
+        if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+            ops = torch.ops.mkldnn
+            if ops._is_mkldnn_bf16_supported() and all(
+                hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise")
+            ):
+                return ONEDNN
+        mkl_ops = ("_mkl_reorder_linear_weight", "_mkl_linear")
+        if (
+            dtype == torch.float32
+            and torch.backends.mkl.is_available()
+            and all(hasattr(torch.ops.mkl, op) for op in mkl_ops)
+        ):
+            return MKL
     except (AttributeError, RuntimeError):
-        return False
+        pass
+    return None
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """An [out, in] bf16 weight in oneDNN's blocked layout, for `packed_linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+@functools.lru_cache(maxsize=64)
+def _mkl_bytes(out_features: int, in_features: int) -> int:
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros(out_features, in_features), 1)
+    return packed.numel() * packed.element_size()
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with the weight packed by `pack_weight`."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def mkl_bytes(model: nn.Module) -> int:
+    """What packing `model`'s fp32 linear layers for MKL would add (LoRA's own matrices are not packed)."""
+    return sum(
+        _mkl_bytes(m.out_features, m.in_features)
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear and m.weight.dtype == torch.float32 and "lora_" not in name
+    )
+
+
+def mkl_fits(model: nn.Module, free_bytes: int) -> tuple[bool, str]:
+    """Whether MKL's packed copies of `model`'s linears take under a quarter of `free_bytes`; and why not."""
+    need = mkl_bytes(model)
+    if need <= free_bytes // 4:
+        return True, ""
+    return False, f"MKL's packed weights would take {need / 1e9:.1f} GB, over a quarter of {free_bytes / 1e9:.1f} GB"
+
+
+class Packed:
+    """One weight packed for `kind` (ONEDNN or MKL), and its product `F.linear(x, weight, bias)`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str):
+        self.kind, self.bias = kind, bias
+        self.out_features = weight.shape[0]
+        if kind == ONEDNN:
+            self.packed, self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, None), None
+            self.added = 0
+        elif kind == MKL:
+            # the row count given here is not used for a packed weight (the same copy serves every count)
+            self.packed, self.weight = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_MIN_ROWS), weight
+            self.added = self.packed.numel() * self.packed.element_size()
+        else:
+            raise ValueError(f"no packing {kind!r}: one of {ONEDNN}, {MKL}")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == ONEDNN:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        assert self.weight is not None  # MKL's packing keeps it
+        if rows < MKL_MIN_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, x.shape[-1])
+        out = torch.ops.mkl._mkl_linear(flat, self.packed, self.weight, self.bias, rows)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 class PackedLinear(nn.Module):
-    """An inference-only stand-in for an `nn.Linear`: the weight lives in oneDNN's blocked layout (an opaque
-    tensor: no autograd, no `.to()`, no state dict), the bias as it was."""
+    """An inference-only stand-in for an `nn.Linear` whose weight is packed (an opaque tensor: no autograd,
+    no `.to()`, no state dict); the bias as it was."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, kind: str):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = pack_weight(linear.weight.detach())
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.product = Packed(linear.weight.detach(), bias, kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.packed, self.bias)
+        return self.product(x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.product.kind}-packed"
 
 
-def pack_linears(model: nn.Module) -> tuple[int, int]:
-    """Replace every bf16 `nn.Linear` of `model` by a `PackedLinear`, in place; (layers packed, bytes added).
+def pack_linears(model: nn.Module, kind: str) -> tuple[int, int]:
+    """Replace every `nn.Linear` of `model` in `kind`'s dtype by a `PackedLinear`, in place; (layers packed,
+    bytes added).
 
     LoRA's own A and B matrices stay as they are (rank r: nothing to gain, and peft reads their weights);
-    peft calls the base layer it wraps as a module, so a packed base serves every adapter. A weight that
-    another module still holds (an output layer tied to the embedding) is now held twice: the bytes added."""
+    peft calls the base layer it wraps as a module, so a packed base serves every adapter. Bytes added: MKL's
+    packed copies; for oneDNN, a weight that another module still holds (an output layer tied to the
+    embedding), now held twice."""
+    dtype = {ONEDNN: torch.bfloat16, MKL: torch.float32}[kind]
     held = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
     packed = added = 0
     for name, parent in list(model.named_modules()):
         if "lora_" in name:
             continue
         for child_name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.weight.dtype != torch.bfloat16:
+            if type(child) is not nn.Linear or child.weight.dtype != dtype:
                 continue
-            setattr(parent, child_name, PackedLinear(child))
+            layer = PackedLinear(child, kind)
+            setattr(parent, child_name, layer)
             packed += 1
-            if id(child.weight) in held:
+            added += layer.product.added
+            if kind == ONEDNN and id(child.weight) in held:
                 added += child.weight.numel() * child.weight.element_size()
-    log.info("oneDNN-packed %d bf16 linear layers (%.0f MB held twice: tied weights)", packed, added / 1e6)
+    log.info("%s-packed %d linear layers (+%.0f MB)", kind, packed, added / 1e6)
     return packed, added
