@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from gpuwise import __version__
-from gpuwise.cli import bench, chat, export, hardware, plan, report, runs, schema, serve, train
+from gpuwise.cli import bench, chat, export, hardware, plan, report, runs, schema, serve, train, ui
 from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.hardware.cpu import retain_freed_memory
 
@@ -64,6 +64,7 @@ app.command(epilog=export.EPILOG)(export.export)
 app.add_typer(runs.app, name="runs")
 app.command()(report.report)
 app.command(epilog=schema.EPILOG)(schema.schema)
+app.command()(ui.ui)
 
 
 def main(argv: list[str] | None = None) -> int:

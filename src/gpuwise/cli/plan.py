@@ -93,8 +93,7 @@ def plan(
 
     Example: gpuwise plan --model llama-3.1-8b --task qlora
     """
-    from gpuwise.plan.model import resolve_model
-    from gpuwise.plan.planner import make_plan
+    from gpuwise.plan.planner import plan_for
     from gpuwise.plan.request import PlanRequest, check_flags
 
     tracing = bool(workload or module or traced)
@@ -133,20 +132,12 @@ def plan(
     if tracing:
         given = precision is not None
         return _traced(model, workload, module, req, load_catalog(catalog), as_json, precision_given=given)
-    cat = load_catalog(catalog)
-    try:
-        cat.calibration = rundb.calibration_map()
-    except GpuwiseError as e:
-        # The record only refines the efficiency: a broken one must not cost the user the plan (nor a second
-        # warning when the plan is not recorded in it).
-        print(f"gpuwise: warning: planning without bench calibration: {e}", file=sys.stderr)
-        record = False
-    else:
-        record = True
     assert model is not None  # exactly one of --model/--workload/--module was checked above
-    result = make_plan(resolve_model(model), req, cat)
+    result, warning = plan_for(model, req, load_catalog(catalog))
+    if warning:  # the record could not be read: nor is the plan written to it (no second warning)
+        print(f"gpuwise: warning: {warning}", file=sys.stderr)
     name = result["model"]["name"]
-    result["record_id"] = rundb.try_record("plan", gpu or "catalog sweep", name, result) if record else None
+    result["record_id"] = None if warning else rundb.try_record("plan", gpu or "catalog sweep", name, result)
     if as_json:
         emit(result)
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwise.errors import GpuwiseError
 from gpuwise.hardware.catalog import Accelerator, Catalog
 from gpuwise.hardware.reference import GiB
 from gpuwise.plan import advice
@@ -213,3 +214,21 @@ def build_plan(model: ModelSpec, req: PlanRequest, catalog: Catalog) -> PlanResu
 def make_plan(model: ModelSpec, req: PlanRequest, catalog: Catalog) -> dict[str, Any]:
     """`build_plan` as the JSON object `plan --json` prints and the run record keeps."""
     return build_plan(model, req, catalog).dump()
+
+
+def plan_for(model: str, req: PlanRequest, catalog: Catalog) -> tuple[dict[str, Any], str | None]:
+    """What `gpuwise plan --model MODEL` answers, and `gpuwise ui`'s plan page: the plan with this machine's
+    bench calibration; and a warning when the run record could not be read for it (the plan is then made
+    without the calibration)."""
+    from gpuwise.plan.model import resolve_model
+    from gpuwise.plan.request import check_flags
+    from gpuwise.runs import db
+
+    check_flags(req)  # before the model is read: the cheapest mistakes first
+    warning = None
+    try:
+        catalog.calibration = db.calibration_map()
+    except GpuwiseError as e:
+        # The record only refines the efficiency: a broken one must not cost the user the plan.
+        warning = f"planning without bench calibration: {e}"
+    return make_plan(resolve_model(model), req, catalog), warning

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -121,12 +122,30 @@ def _read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         if not found:
             raise GpuwiseError(f"{run_dir}: not a finished gpuwise run ({name} is missing)")
         texts[name] = read_text_file(run_dir / name, "run file", f"the {name} gpuwise train writes", limit)
-    metrics = texts["metrics.jsonl"].splitlines()
-    rows = [_json_object(f"{run_dir / 'metrics.jsonl'}:{n}", line) for n, line in enumerate(metrics, 1) if line.strip()]
-    return _json_object(str(run_dir / "summary.json"), texts["summary.json"]), rows
+    summary = parse_object(str(run_dir / "summary.json"), texts["summary.json"])
+    return summary, _metric_rows(run_dir, texts["metrics.jsonl"])
 
 
-def _json_object(where: str, text: str) -> dict[str, Any]:
+def _metric_rows(run_dir: Path, text: str, partial: bool = False) -> list[dict[str, Any]]:
+    """metrics.jsonl's lines as objects; `partial`: a run still writing it, whose last line may be cut."""
+    lines = text.splitlines()
+    if partial and lines and not text.endswith("\n"):
+        lines = lines[:-1]
+    return [parse_object(f"{run_dir / 'metrics.jsonl'}:{n}", line) for n, line in enumerate(lines, 1) if line.strip()]
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl as far as it is written (none yet: no rows), for a run that may still be training."""
+    from gpuwise.files import read_text_file
+
+    path = run_dir / "metrics.jsonl"
+    if not os.path.isfile(path):
+        return []
+    text = read_text_file(path, "run file", "the metrics.jsonl gpuwise train writes", MAX_METRICS_BYTES)
+    return _metric_rows(run_dir, text, partial=True)
+
+
+def parse_object(where: str, text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except (ValueError, RecursionError):

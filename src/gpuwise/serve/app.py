@@ -10,6 +10,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from urllib.parse import unquote_to_bytes
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -69,6 +70,22 @@ class _Refused(Exception):
         self.status, self.message = status, message
 
 
+def key_matches(headers: list[tuple[bytes, bytes]], key: bytes, cookie: bytes | None = None) -> bool:
+    """Whether a request carries `key`: as X-API-Key, as `Authorization: Bearer`, or (for a browser page's
+    links, which send no header) as the cookie named `cookie`."""
+    given = b""
+    for name, value in headers:
+        if name == b"x-api-key":
+            given = value
+        elif name == b"authorization" and value[:7].lower() == b"bearer ":
+            given = value[7:]  # the scheme is case-insensitive (RFC 9110); a bare key is not a bearer token
+        elif cookie and name == b"cookie" and not given:
+            for part in value.split(b";"):
+                k, _, v = part.strip().partition(b"=")
+                given = unquote_to_bytes(v) if k == cookie else given  # the page sets it URL-encoded
+    return hmac.compare_digest(given, key)  # constant time: no timing oracle on the key
+
+
 class Guard:
     """The outermost layer of every request, as plain ASGI (no BaseHTTPMiddleware, which would hide a
     client's disconnect from the routes): the API key, the body's size (counted as it arrives, a wrong or
@@ -81,14 +98,8 @@ class Guard:
         self.key = key.encode("utf-8") if key else None
 
     def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        given = b""
-        for name, value in headers:
-            if name == b"x-api-key":
-                given = value
-            elif name == b"authorization" and value[:7].lower() == b"bearer ":
-                given = value[7:]  # the scheme is case-insensitive (RFC 9110); a bare key is not a bearer token
         assert self.key is not None  # __call__ asks only when a key is set
-        return hmac.compare_digest(given, self.key)  # constant time: no timing oracle on the key
+        return key_matches(headers, self.key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

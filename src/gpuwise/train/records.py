@@ -176,6 +176,25 @@ def load_config(run_dir: Path) -> TrainConfig:
     return TrainConfig.from_dict(data, where=str(path), run_dir=run_dir)
 
 
+def is_running(run_dir: Path) -> bool:
+    """Whether a process holds the run's claim now (a run training, or being resumed)."""
+    import fcntl
+
+    try:
+        fd = os.open(run_dir / LOCK, os.O_RDONLY)
+    except OSError:  # no lock file: never claimed by this gpuwise, or not readable
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # closing drops a lock taken here too
+    return False
+
+
 def is_finished(run_dir: Path) -> bool:
     """Whether the run finished training: the one test, for resume, predict, serve, export and report.
 

@@ -1,0 +1,47 @@
+"""`gpuwise ui`: the planner, the runs and the bench in a browser (ui/)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from gpuwise.cli.options import CatalogOpt
+from gpuwise.cli.serve import _check_port_free, is_loopback
+from gpuwise.errors import GpuwiseError
+
+
+def ui(
+    host: Annotated[str, typer.Option(help="Address to bind; anything but loopback needs an API key.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8300,
+    runs_dir: Annotated[
+        Path, typer.Option(help="Where `gpuwise train` writes its runs: those still training show from here.")
+    ] = Path("runs"),
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="GPUWISE_API_KEY",
+            help="Required on every data request when set; the page asks for it once. GPUWISE_API_KEY does not "
+            "show in the process list.",
+        ),
+    ] = None,
+    catalog: CatalogOpt = None,
+) -> None:
+    """A local web page: plan a model on every accelerator, follow and compare runs, see the bench.
+
+    Example: gpuwise ui, then open http://127.0.0.1:8300/ (every script and style ships in the package)."""
+    import uvicorn
+
+    from gpuwise.ui.app import create_app
+
+    if not is_loopback(host) and not api_key:
+        raise GpuwiseError(
+            f"--host {host} exposes the run record beyond this machine: set --api-key or GPUWISE_API_KEY"
+        )
+    if api_key is not None and (not api_key.strip() or any(ord(c) < 33 or ord(c) == 127 for c in api_key)):
+        raise GpuwiseError("--api-key: empty, or holds spaces or control characters that no header or cookie carries")
+    app = create_app(catalog, runs_dir, api_key)
+    _check_port_free(host, port)
+    print(f"gpuwise ui on http://{host}:{port}/ (Ctrl-C stops it)", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

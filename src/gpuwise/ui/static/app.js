@@ -1,0 +1,410 @@
+// gpuwise ui: plain JavaScript and SVG, no library and nothing fetched from the internet. Every figure comes
+// from the JSON API (ui/app.py), which calls what the CLI calls; this file only draws it.
+"use strict";
+
+const GiB = 2 ** 30;
+const $ = (sel) => document.querySelector(sel);
+const SVGNS = "http://www.w3.org/2000/svg";
+
+function el(tag, attrs = {}, ...children) {
+  const e = tag.startsWith("svg:") ? document.createElementNS(SVGNS, tag.slice(4)) : document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (v === null || v === undefined) continue;
+    if (k === "text") e.textContent = v;
+    else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
+    else e.setAttribute(k, v);
+  }
+  for (const c of children.flat()) if (c !== null && c !== undefined) e.append(c);
+  return e;
+}
+
+// --- formats: the CLI's (views.py) --------------------------------------------------------------------
+const gib = (n) => (n == null ? "-" : n < GiB / 10 ? `${(n / 2 ** 20).toFixed(1)} MiB` : `${(n / GiB).toFixed(1)} GiB`);
+const usd = (x) => (x == null ? "-" : x >= 1e6 ? `$${(x / 1e6).toFixed(2)} M` : x < 1000 ? `$${x.toFixed(2)}` : `$${Math.round(x).toLocaleString("en-US")}`);
+function hours(h) {
+  if (h == null || !isFinite(h)) return "-";
+  if (h < 1 / 60) return `${(h * 3600).toFixed(0)} s`;
+  if (h < 1) return `${(h * 60).toFixed(0)} min`;
+  if (h < 48) return `${h.toFixed(1)} h`;
+  if (h < 24 * 365) return `${(h / 24).toFixed(1)} days`;
+  return `${(h / 24 / 365).toFixed(1)} years`;
+}
+const pct = (x) => (x == null ? "-" : `${(100 * x).toFixed(0)} %`);
+const num = (x, d = 3) => (x == null ? "-" : typeof x === "number" ? (Math.abs(x) >= 100 ? x.toFixed(1) : x.toPrecision(d)) : String(x));
+
+// --- the API ------------------------------------------------------------------------------------------
+async function api(path) {
+  const key = sessionStorage.getItem("gpuwise_key");
+  const r = await fetch(path, { headers: key ? { Authorization: `Bearer ${key}` } : {} });
+  if (r.status === 401) {
+    $("#keybox").hidden = false;
+    throw { error: "this server needs its API key: type it above", field: "key" };
+  }
+  const body = await r.json().catch(() => ({ error: `the server answered ${r.status}` }));
+  if (!r.ok) throw body;
+  return body;
+}
+
+$("#key").addEventListener("change", (e) => {
+  sessionStorage.setItem("gpuwise_key", e.target.value);
+  // links (a run's report) send no header: the same key as a cookie for this tab's site
+  document.cookie = `gpuwise_key=${encodeURIComponent(e.target.value)}; path=/; SameSite=Strict`;
+  route();
+});
+
+// --- charts (SVG) -------------------------------------------------------------------------------------
+function scale(d0, d1, r0, r1, log = false) {
+  const f = log ? Math.log10 : (x) => x;
+  const a = f(d0), b = f(d1);
+  const s = (x) => r0 + ((f(x) - a) / (b - a || 1)) * (r1 - r0);
+  s.domain = [d0, d1];
+  return s;
+}
+
+function ticks(d0, d1, log) {
+  if (log) {
+    const out = [];
+    for (let e = Math.floor(Math.log10(d0)); e <= Math.ceil(Math.log10(d1)); e++) for (const m of [1, 2, 5]) out.push(m * 10 ** e);
+    return out.filter((t) => t >= d0 * 0.999 && t <= d1 * 1.001);
+  }
+  const step = 10 ** Math.floor(Math.log10((d1 - d0) / 4 || 1));
+  const n = Math.ceil((d1 - d0) / step / 5) * step || step;
+  const out = [];
+  for (let t = Math.ceil(d0 / n) * n; t <= d1 + 1e-9; t += n) out.push(+t.toPrecision(6));
+  return out;
+}
+
+// axes with labels and units on both; returns the <svg> and the two scales
+function frame({ w = 560, h = 300, x, y, xlabel, ylabel, xlog = false, ylog = false, xfmt = num, yfmt = num, title }) {
+  const m = { l: 70, r: 16, t: 28, b: 46 };
+  const sx = scale(x[0], x[1], m.l, w - m.r, xlog), sy = scale(y[0], y[1], h - m.b, m.t, ylog);
+  const svg = el("svg:svg", { width: w, height: h, viewBox: `0 0 ${w} ${h}`, role: "img", "aria-label": title });
+  svg.append(el("svg:text", { x: m.l, y: 16, "font-weight": "bold", text: title }));
+  const g = el("svg:g", { class: "axis" });
+  g.append(el("svg:line", { x1: m.l, x2: w - m.r, y1: h - m.b, y2: h - m.b }), el("svg:line", { x1: m.l, x2: m.l, y1: m.t, y2: h - m.b }));
+  for (const t of ticks(x[0], x[1], xlog)) {
+    g.append(el("svg:line", { x1: sx(t), x2: sx(t), y1: h - m.b, y2: h - m.b + 4 }));
+    g.append(el("svg:text", { x: sx(t), y: h - m.b + 17, "text-anchor": "middle", text: xfmt(t) }));
+  }
+  for (const t of ticks(y[0], y[1], ylog)) {
+    g.append(el("svg:line", { x1: m.l - 4, x2: m.l, y1: sy(t), y2: sy(t) }));
+    g.append(el("svg:text", { x: m.l - 7, y: sy(t) + 4, "text-anchor": "end", text: yfmt(t) }));
+  }
+  g.append(el("svg:text", { x: (m.l + w - m.r) / 2, y: h - 8, "text-anchor": "middle", text: xlabel }));
+  g.append(el("svg:text", { x: 14, y: (m.t + h - m.b) / 2, "text-anchor": "middle", transform: `rotate(-90 14 ${(m.t + h - m.b) / 2})`, text: ylabel }));
+  svg.append(g);
+  return { svg, sx, sy };
+}
+
+const COLORS = ["#1f6feb", "#d29922", "#8250df", "#1a7f37", "#cf222e", "#57606a", "#0a7ea4"];
+
+function lineChart(points, { title, xlabel, ylabel, color = COLORS[0] }) {
+  const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
+  let y0 = Math.min(...ys), y1 = Math.max(...ys);
+  if (y0 === y1) { y0 -= 1; y1 += 1; }
+  const x1 = Math.max(...xs) > Math.min(...xs) ? Math.max(...xs) : Math.min(...xs) + 1;
+  const { svg, sx, sy } = frame({ x: [Math.min(...xs), x1], y: [y0, y1], xlabel, ylabel, title });
+  const d = points.map((p, i) => `${i ? "L" : "M"}${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join("");
+  svg.append(el("svg:path", { d, fill: "none", stroke: color, "stroke-width": 1.5 }));
+  return svg;
+}
+
+// --- Plan ---------------------------------------------------------------------------------------------
+const PARTS = ["weights", "gradients", "optimizer", "activations", "kv_cache", "overhead"];
+let planTimer = null, planSeq = 0;
+
+function memoryBar(plan) {
+  const w = 560, h = 140, l = 90, r = 20, mem = plan.memory, cap = plan.capacity;
+  const total = Math.max(mem.total, cap) * 1.12;  // room for the capacity's label
+  const sx = scale(0, total, l, w - r);
+  const svg = el("svg:svg", { width: w, height: h, viewBox: `0 0 ${w} ${h}`, role: "img", "aria-label": "memory per GPU" });
+  svg.append(el("svg:text", { x: l, y: 16, "font-weight": "bold", text: `Memory per GPU (${plan.gpu_name}, GiB)` }));
+  let x = 0;
+  PARTS.forEach((p, i) => {
+    const v = mem[p] || 0;
+    if (v <= 0) return;
+    const rect = el("svg:rect", { x: sx(x), y: 30, width: Math.max(1, sx(x + v) - sx(x)), height: 34, fill: COLORS[i] });
+    rect.append(el("svg:title", { text: `${p}: ${gib(v)}` }));
+    svg.append(rect);
+    x += v;
+  });
+  svg.append(el("svg:line", { x1: sx(cap), x2: sx(cap), y1: 24, y2: 72, stroke: "#cf222e", "stroke-width": 2 }));
+  svg.append(el("svg:text", { x: sx(cap), y: 86, "text-anchor": "middle", text: `capacity ${gib(cap)}` }));
+  svg.append(el("svg:text", { x: 4, y: 52, text: "this GPU" }));
+  // legend
+  let lx = 4, ly = 100;
+  PARTS.forEach((p, i) => {
+    if (!(mem[p] > 0)) return;
+    const label = `${p.replace("_", " ")} ${(mem[p] / GiB).toFixed(1)}`;
+    if (lx + 14 + label.length * 6.6 > w) { lx = 4; ly += 18; }
+    svg.append(el("svg:rect", { x: lx, y: ly, width: 10, height: 10, fill: COLORS[i] }));
+    svg.append(el("svg:text", { x: lx + 14, y: ly + 9, text: label }));
+    lx += 14 + label.length * 6.6 + 10;
+  });
+  return svg;
+}
+
+const wall = (o) => (o.compute ? o.compute.wall_hours : null);  // null: does not fit, no time
+
+function cheapestCloud(o) {
+  return (o.cost || []).reduce((best, c) => (best == null || c.usd < best.usd ? c : best), null);
+}
+
+function paretoFront(points) {
+  // the points no other point beats on both time and cost (the same rule as report/html.py's pareto_front)
+  const sorted = [...points].sort((a, b) => a.t - b.t || a.c - b.c);
+  const front = [];
+  for (const p of sorted) if (!front.length || p.c < front[front.length - 1].c) front.push(p);
+  return front;
+}
+
+function scatter(options) {
+  const pts = options.filter((o) => o.fits && cheapestCloud(o)).map((o) => ({ t: wall(o), c: cheapestCloud(o).usd, o }))
+    .filter((p) => p.t > 0 && p.c > 0);
+  if (pts.length < 2) return el("p", { text: "Fewer than two priced accelerators fit: no cost-time chart." });
+  const T = pts.map((p) => p.t), C = pts.map((p) => p.c);
+  const { svg, sx, sy } = frame({
+    x: [Math.min(...T) / 1.3, Math.max(...T) * 1.3], y: [Math.min(...C) / 1.3, Math.max(...C) * 1.3], xlog: true, ylog: true,
+    xlabel: "wall time (hours, log scale)", ylabel: "cheapest cloud cost (USD, log)", xfmt: (t) => hours(t), yfmt: usd,
+    title: "Cost vs time per accelerator (Pareto front in red)",
+  });
+  const front = paretoFront(pts);
+  svg.append(el("svg:path", { d: front.map((p, i) => `${i ? "L" : "M"}${sx(p.t)},${sy(p.c)}`).join(""), fill: "none", stroke: "#cf222e", "stroke-width": 1.5 }));
+  for (const p of pts) {
+    const c = el("svg:circle", { cx: sx(p.t), cy: sy(p.c), r: front.includes(p) ? 5 : 3.5, fill: front.includes(p) ? "#cf222e" : COLORS[0] });
+    c.append(el("svg:title", { text: `${p.o.gpu_name} x ${p.o.gpus}: ${hours(p.t)}, ${usd(p.c)}` }));
+    svg.append(c);
+    if (front.includes(p)) svg.append(el("svg:text", { x: sx(p.t) + 7, y: sy(p.c) - 6, text: p.o.gpu }));
+  }
+  return svg;
+}
+
+function sweepTable(options) {
+  const fits = options.filter((o) => o.fits);
+  const priced = fits.filter((o) => cheapestCloud(o));
+  const cheapest = priced.reduce((b, o) => (!b || cheapestCloud(o).usd < cheapestCloud(b).usd ? o : b), null);
+  const fastest = fits.filter(wall).reduce((b, o) => (!b || wall(o) < wall(b) ? o : b), null);
+  const cols = [
+    ["accelerator", (o) => o.gpu_name, (o) => o.gpu_name],
+    ["fits", (o) => (o.fits ? "yes" : "no"), (o) => (o.fits ? 0 : 1)],
+    ["GPUs", (o) => o.gpus, (o) => o.gpus],
+    ["memory / GPU", (o) => `${gib(o.memory?.total)} of ${gib(o.capacity)}`, (o) => (o.memory ? o.memory.total / o.capacity : Infinity)],
+    ["time", (o) => hours(wall(o)), (o) => wall(o) ?? Infinity],
+    ["cloud $", (o) => usd(cheapestCloud(o)?.usd), (o) => cheapestCloud(o)?.usd ?? Infinity],
+    ["provider", (o) => cheapestCloud(o)?.provider ?? "-", (o) => cheapestCloud(o)?.provider ?? "~"],
+    ["on-prem $", (o) => usd(o.onprem?.usd), (o) => o.onprem?.usd ?? Infinity],
+    ["buying pays above", (o) => pct(o.onprem?.breakeven_utilization), (o) => o.onprem?.breakeven_utilization ?? Infinity],
+  ];
+  let sortBy = 5, dir = 1;
+  const table = el("table", { id: "sweep" });
+  function draw() {
+    const rows = [...options].sort((a, b) => {
+      const ka = cols[sortBy][2](a), kb = cols[sortBy][2](b);
+      return (ka < kb ? -1 : ka > kb ? 1 : 0) * dir || (a.fits ? 0 : 1) - (b.fits ? 0 : 1);
+    });
+    table.replaceChildren(
+      el("thead", {}, el("tr", {}, cols.map(([name], i) => el("th", {
+        "data-sort": i, tabindex: 0, scope: "col", "aria-sort": i === sortBy ? (dir > 0 ? "ascending" : "descending") : "none",
+        text: name + (i === sortBy ? (dir > 0 ? " ▲" : " ▼") : ""),
+        onclick: () => { dir = sortBy === i ? -dir : 1; sortBy = i; draw(); },
+        onkeydown: (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); dir = sortBy === i ? -dir : 1; sortBy = i; draw(); } },
+      })))),
+      el("tbody", {}, rows.map((o) => el("tr", { class: o.fits ? "" : "nofit", "data-gpu": o.gpu },
+        cols.map(([, f], i) => el("td", {}, String(f(o)),
+          i === 0 && o === cheapest ? el("span", { class: "tag cheapest", text: "cheapest" }) : null,
+          i === 0 && o === fastest ? el("span", { class: "tag fastest", text: "fastest" }) : null))))),
+    );
+  }
+  draw();
+  return table;
+}
+
+function renderPlan(plan) {
+  const out = $("#planout");
+  const o = plan.onprem;
+  const cloud = cheapestCloud(plan);
+  out.replaceChildren(
+    el("p", { class: "summary", id: "plansummary" },
+      `${plan.model.name} · ${plan.task} · ${plan.precision}: `,
+      el("strong", { text: `${plan.gpus} x ${plan.gpu_name}` }),
+      ` (${plan.layout.text}) — ${plan.why}; ${hours(wall(plan))}`,
+      cloud ? `, ${usd(cloud.usd)} at ${cloud.provider} (${usd(cloud.usd_per_gpu_hour)}/GPU-hour)` : "",
+      o ? `, ${usd(o.usd)} on your own hardware` : ""),
+    el("div", { class: "charts" }, memoryBar(plan), scatter(plan.options || [])),
+    o ? el("p", { id: "breakeven" }, `Cloud or buy: ${o.item} at ${usd(o.purchase_usd_per_gpu)} per GPU (${o.source}, ${o.as_of}) over the assumed life costs ${usd(o.usd_per_gpu_hour)} per GPU-hour at the assumed utilization; buying is cheaper than the cheapest cloud price above `,
+      el("strong", { text: pct(o.breakeven_utilization) }), " utilization.") : null,
+    el("h2", { text: `Every accelerator (${(plan.options || []).length}), click a column to sort` }),
+    sweepTable(plan.options || []),
+    el("h2", { text: "Warnings" }),
+    el("ul", { class: "notes", id: "warnings" }, (plan.warnings || []).map((w) => el("li", { text: w }))),
+    el("h2", { text: "Assumptions and their sources" }),
+    el("ul", { class: "notes", id: "assumptions" }, (plan.assumptions || []).map((a) => el("li", { text: `${a.name} = ${a.value}: ${a.origin}` }))),
+  );
+}
+
+function formQuery() {
+  const q = new URLSearchParams({ page: "plan" });
+  for (const f of $("#planform").elements) if (f.name && f.value.trim() !== "") q.set(f.name, f.value.trim());
+  return q;
+}
+
+async function updatePlan() {
+  const q = formQuery();
+  history.replaceState(null, "", `?${q}`);  // the URL holds the inputs: send it to a colleague
+  for (const e of document.querySelectorAll("#planform .err")) e.textContent = "";
+  for (const f of $("#planform").elements) f.removeAttribute("aria-invalid");
+  $("#planerror").textContent = "";
+  const seq = ++planSeq;
+  q.delete("page");
+  try {
+    const plan = await api(`/api/plan?${q}`);
+    if (seq === planSeq) renderPlan(plan);
+  } catch (e) {
+    if (seq !== planSeq) return;
+    const msg = e.error || String(e);
+    const spot = e.field && document.querySelector(`#planform .err[data-for="${e.field}"]`);
+    if (spot) {
+      spot.textContent = msg;
+      $(`#planform [name="${e.field}"]`).setAttribute("aria-invalid", "true");
+    } else $("#planerror").textContent = msg;
+    $("#planout").replaceChildren();
+  }
+}
+
+let optionsLoaded = null;
+async function loadOptions() {
+  const o = await api("/api/options");
+  $("#presets").replaceChildren(...o.presets.map((p) => el("option", { value: p })));
+  const fill = (name, values) => $(`#planform [name="${name}"]`).append(...values.map((v) => el("option", { value: v, text: v })));
+  fill("task", o.tasks);
+  fill("precision", o.precisions);
+  fill("provider", o.providers);
+}
+
+async function showPlan(params) {
+  optionsLoaded = optionsLoaded || loadOptions();
+  await optionsLoaded;
+  for (const f of $("#planform").elements) if (f.name && params.has(f.name)) f.value = params.get(f.name);
+  await updatePlan();
+}
+
+$("#planform").addEventListener("input", () => {
+  clearTimeout(planTimer);
+  planTimer = setTimeout(updatePlan, 250);
+});
+$("#planform").addEventListener("submit", (e) => e.preventDefault());
+
+// --- Runs ---------------------------------------------------------------------------------------------
+async function showRuns() {
+  const q = new URLSearchParams({ workload: $("#fworkload").value, status: $("#fstatus").value });
+  const [all, rows] = await Promise.all([api("/api/runs"), api(`/api/runs?${q}`)]);
+  const workloads = [...new Set(all.map((r) => r.workload))].sort();
+  const chosen = $("#fworkload").value;
+  $("#fworkload").replaceChildren(el("option", { value: "", text: "all" }), ...workloads.map((w) => el("option", { text: w })));
+  $("#fworkload").value = chosen;
+  if (!rows.length) {
+    $("#runsout").replaceChildren(el("p", { text: "No runs yet: `gpuwise train defects` makes one." }));
+    return;
+  }
+  $("#runsout").replaceChildren(el("table", { id: "runstable" },
+    el("thead", {}, el("tr", {}, ["run", "workload", "status", "created", "device", "held-out metrics", "wall time"].map((t) => el("th", { text: t })))),
+    el("tbody", {}, rows.map((r) => el("tr", {},
+      el("td", {}, el("a", { href: `?page=run&key=${encodeURIComponent(r.key)}`, text: r.key })),
+      el("td", { text: r.workload }), el("td", { text: r.status }), el("td", { text: r.created || "-" }),
+      el("td", { text: r.device || "-" }),
+      el("td", { text: Object.entries(r.metrics).map(([k, v]) => `${k} ${num(v)}`).join(", ") || "-" }),
+      el("td", { text: r.wall_s == null ? "-" : hours(r.wall_s / 3600) }))))));
+}
+$("#fworkload").addEventListener("change", showRuns);
+$("#fstatus").addEventListener("change", showRuns);
+
+let runTimer = null;
+const UNITS = { loss: "", lr: "", step_time_s: "s", samples_per_s: "samples/s" };
+
+function plannedVsActual(s) {
+  const rows = [
+    ["peak memory", gib(s.plan.peak_bytes), gib(s.actual.peak_bytes), s.estimate_error.peak_bytes],
+    ["step time", s.plan.step_time_s == null ? "-" : `${(1e3 * s.plan.step_time_s).toFixed(1)} ms`,
+      s.actual.step_time_s == null ? "-" : `${(1e3 * s.actual.step_time_s).toFixed(1)} ms`, s.estimate_error.step_time_s],
+  ];
+  return el("table", { id: "planactual" },
+    el("thead", {}, el("tr", {}, ["", "planned", "measured", "error"].map((t) => el("th", { text: t })))),
+    el("tbody", {}, rows.map(([n, p, a, e]) => el("tr", {}, el("td", { text: n }), el("td", { text: p }), el("td", { text: a }),
+      el("td", { text: e == null ? "-" : `${e > 0 ? "+" : ""}${(100 * e).toFixed(1)} %` })))));
+}
+
+async function showRun(key) {
+  clearTimeout(runTimer);
+  const r = await api(`/api/runs/${encodeURIComponent(key)}`);
+  const s = r.summary;
+  const curves = Object.entries(r.curves).filter(([name, pts]) => pts.length > 0 && name !== "micro_batch");
+  $("#runout").replaceChildren(
+    el("h2", { text: `Run ${key}: ${r.config.workload} (${r.status})` }),
+    el("p", {}, `${r.run_dir} · `, s ? el("a", { href: `/runs/${encodeURIComponent(key)}/report`, target: "_blank", text: "HTML report" }) : "report when it finishes"),
+    s ? el("p", { class: "summary", id: "runsummary", text: Object.entries(s.eval).filter(([, v]) => typeof v === "number").map(([k, v]) => `${k} ${num(v)}`).join(" · ") }) : null,
+    s ? el("p", { text: `throughput ${num(s.throughput.samples_per_s)} samples/s on ${s.device}, ${s.precision}; ${s.steps} steps in ${hours((s.wall_s || 0) / 3600)}` }) : null,
+    el("div", { class: "charts", id: "curves" }, curves.map(([name, pts], i) =>
+      lineChart(pts, { title: name, xlabel: "step", ylabel: UNITS[name] ? `${name} (${UNITS[name]})` : name, color: COLORS[i % COLORS.length] }))),
+    s ? el("h2", { text: "Planned beside measured" }) : null,
+    s ? plannedVsActual(s) : null,
+    el("h2", { text: "Config" }),
+    el("pre", { text: JSON.stringify(r.config, null, 2) }),
+  );
+  if (r.status === "running") runTimer = setTimeout(() => showRun(key), 2000);  // curves grow as it logs
+}
+
+// --- Bench --------------------------------------------------------------------------------------------
+function bars(items, { title, xlabel }) {
+  const w = 560, rowh = 26, l = 150, r = 70, h = 40 + items.length * rowh + 30;
+  const max = Math.max(1, ...items.map((i) => i.value));
+  const sx = scale(0, max, l, w - r);
+  const svg = el("svg:svg", { width: w, height: h, viewBox: `0 0 ${w} ${h}`, role: "img", "aria-label": title });
+  svg.append(el("svg:text", { x: 4, y: 16, "font-weight": "bold", text: title }));
+  items.forEach((it, i) => {
+    const y = 30 + i * rowh;
+    svg.append(el("svg:text", { x: l - 6, y: y + 15, "text-anchor": "end", text: it.label }));
+    svg.append(el("svg:rect", { x: l, y: y + 3, width: Math.max(1, sx(it.value) - l), height: rowh - 8, fill: COLORS[i % COLORS.length] }));
+    svg.append(el("svg:text", { x: sx(it.value) + 4, y: y + 15, text: it.text }));
+  });
+  svg.append(el("svg:text", { x: (l + w - r) / 2, y: h - 6, "text-anchor": "middle", text: xlabel }));
+  return svg;
+}
+
+async function showBench() {
+  const rows = await api("/api/bench");
+  if (!rows.length) {
+    $("#benchout").replaceChildren(el("p", { text: "No bench yet: `gpuwise bench --quick` measures this machine." }));
+    return;
+  }
+  const b = rows[0].data;
+  const charts = [];
+  for (const [name, d] of Object.entries(b.devices)) {
+    const mm = Object.entries(d.matmul).map(([dt, m]) => ({ label: `${dt} matmul`, value: 100 * (m.fraction_of_peak || 0), text: `${m.tflops.toFixed(2)} TFLOP/s (${pct(m.fraction_of_peak)})` }));
+    mm.push({ label: "memory (triad)", value: 100 * (d.bandwidth.fraction_of_peak || 0), text: `${d.bandwidth.triad_gbs.toFixed(1)} GB/s (${pct(d.bandwidth.fraction_of_peak)})` });
+    charts.push(bars(mm, { title: `${d.peak.name} (${name}): measured, as % of peak (${d.peak.origin})`, xlabel: "% of the device's peak" }));
+  }
+  for (const [dev, sp] of Object.entries(b.speedup || {})) {
+    const items = Object.entries(sp).filter(([, v]) => typeof v === "number").map(([t, v]) => ({ label: t, value: v, text: `${v.toFixed(1)}x` }));
+    if (items.length) charts.push(bars(items, { title: `${dev}: rate over this CPU's${b.projections && b.projections[dev] ? " (projected from the catalog, not measured)" : ""}`, xlabel: "times the CPU's rate" }));
+  }
+  $("#benchout").replaceChildren(el("p", { text: `Bench #${rows[0].key}, ${rows[0].created}, ${b.size}, torch ${b.torch}, ${b.threads} threads` }), el("div", { class: "charts" }, charts));
+}
+
+// --- routing ------------------------------------------------------------------------------------------
+async function route() {
+  const params = new URLSearchParams(location.search);
+  const page = params.get("page") || "plan";
+  for (const s of document.querySelectorAll("main > section")) s.hidden = s.id !== page;
+  for (const a of document.querySelectorAll("nav a")) a.classList.toggle("active", a.dataset.page === page || (page === "run" && a.dataset.page === "runs"));
+  const where = { plan: "#planerror", runs: "#runsout", run: "#runout", bench: "#benchout" }[page] || "#planerror";
+  try {
+    if (page === "plan") await showPlan(params);
+    else if (page === "runs") await showRuns();
+    else if (page === "run") await showRun(params.get("key") || "");
+    else if (page === "bench") await showBench();
+  } catch (e) {
+    $(where).replaceChildren(el("p", { class: "err", role: "alert", text: e.error || String(e) }));
+  }
+}
+window.addEventListener("popstate", route);
+route();
