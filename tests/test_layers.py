@@ -1,7 +1,8 @@
 """Issue #10: the layers show in the imports. A module imports only its own layer or lower ones, in
 functions too (an import inside a function is still a dependency), and no two packages import each other.
 
-    errors, files, results  <-  hardware, runs  <-  plan  <-  workloads  <-  train, bench, serve, report  <-  views, ui, cli
+    errors, files, results  <-  hardware, runs  <-  plan  <-  workloads  <-  train, bench, serve, report
+        <-  views, ui, cli
 """
 
 import ast
