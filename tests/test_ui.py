@@ -174,9 +174,12 @@ def test_a_person_plans_a_model_in_the_browser(server, page, capsys, tmp_path):
     assert page.locator("svg[aria-label='memory per GPU'] rect").count() >= 3
     shot(page, "ui-plan.png", tmp_path)
     # the answer follows the inputs, and the URL holds them
+    eight = cli_plan(capsys, "--model", "llama-3.1-8b", "--task", "qlora", "--batch", "8")
+    assert eight["why"] != expected["why"]
     page.fill("input[name=batch]", "8")
     page.wait_for_function("location.search.includes('batch=8')")
-    page.wait_for_function("!document.querySelector('#sweep') || true")
+    shows = "([s, why]) => document.querySelector(s)?.innerText.includes(why)"
+    page.wait_for_function(shows, arg=["#plansummary", eight["why"]])
     # an impossible combination: the CLI's line beside the field, no blank page, no trace
     page.fill("input[name=tp]", "3")
     page.wait_for_selector(".err[data-for=tp]:not(:empty)")

@@ -50,11 +50,12 @@ def run_rows(runs_dir: Path) -> list[dict[str, Any]]:
     for run_dir in sorted(_run_dirs(runs_dir), key=lambda p: p.stat().st_mtime, reverse=True):
         if os.path.realpath(run_dir) in seen:
             continue
-        summary = _summary(run_dir) if _status(run_dir) == "finished" else {}
+        status = _status(run_dir)
+        summary = _summary(run_dir) if status == "finished" else {}
         rows.append({
             "key": run_dir.name,
             "workload": summary.get("workload") or run_dir.name.split("-")[0],
-            "status": _status(run_dir),
+            "status": status,
             "created": None,
             "device": summary.get("device"),
             "run_dir": str(run_dir),
