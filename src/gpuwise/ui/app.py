@@ -22,11 +22,6 @@ from gpuwise.errors import GpuwiseError
 
 STATIC = Path(__file__).parent / "static"
 
-# The plan form's fields: what `gpuwise plan` takes under the same names (dashes for underscores).
-INTS = ("batch", "seq", "gen", "gpus", "tp", "pp", "zero", "lora_rank")
-FLOATS = ("tokens", "epochs", "dataset_tokens", "efficiency", "life_years", "utilization", "kwh_usd", "pue")
-TEXTS = ("task", "precision", "optimizer", "checkpointing", "lora_targets", "gpu", "provider")
-
 
 class FieldError(GpuwiseError):
     """Bad input about one field of the form: the page shows it beside that field."""
@@ -46,21 +41,27 @@ def _field_of(message: str) -> str | None:
 
 
 def plan_request(params: dict[str, str]):
-    """The form's query string as a PlanRequest: each number parsed here, each range checked by the planner."""
+    """The form's query string as a PlanRequest, its fields under `gpuwise plan`'s names (dashes for
+    underscores), unset ones at the request's own defaults: each number parsed here, each range checked by
+    the planner."""
+    from dataclasses import fields
+
     from gpuwise.plan.request import PlanRequest
 
+    # the field's type as written ("int | None", "float | None", "str", "bool"): its first word says how to parse
+    kinds = {f.name: str(f.type).split()[0] for f in fields(PlanRequest)}
     values: dict[str, Any] = {}
     for name, raw in params.items():
         raw = raw.strip()
-        if not raw or name not in INTS + FLOATS + TEXTS:
+        if not raw or kinds.get(name) not in ("int", "float", "str"):
             continue
         flag = "--" + name.replace("_", "-")
-        if name in INTS:
+        if kinds[name] == "int":
             try:
                 values[name] = int(raw)
             except ValueError:
                 raise FieldError(name, f"{flag} must be a whole number, not '{raw[:40]}'") from None
-        elif name in FLOATS:
+        elif kinds[name] == "float":
             try:
                 values[name] = float(raw)
             except ValueError:
@@ -69,10 +70,6 @@ def plan_request(params: dict[str, str]):
                 raise FieldError(name, f"{flag} must be a finite number, not '{raw[:40]}'")
         else:
             values[name] = raw
-    values.setdefault("task", "inference")
-    values.setdefault("precision", "bf16")
-    values.setdefault("batch", 1)
-    values.setdefault("seq", 2048)
     values["flash_attention"] = params.get("flash_attention", "true").lower() not in ("false", "0", "off", "no")
     return PlanRequest(**values)
 
