@@ -1,7 +1,9 @@
 """`gpuwise ui`: its API answers what the CLI answers (the plan page and `gpuwise plan --json` agree), bad
-input is a 400 with the CLI's one line and its field, the API key rule of `serve`; and a real headless
-Chromium (Debian's `chromium`, driven by Playwright) fills the plan form, reads the answer and the error
-beside a field, opens a real run's page and finds its curves, and saves screenshots."""
+input is a 400 with the CLI's one line and its field, the API key rule of `serve`, the Models page's calls reach
+real `gpuwise serve` endpoints and answer what they answer; and a real headless Chromium (Debian's `chromium`,
+driven by Playwright) fills the plan form, reads the answer and the error beside a field, opens a real run's page
+and finds its curves, sets two runs side by side, streams a chat reply, drops an image on the defects model, and
+saves screenshots."""
 
 from __future__ import annotations
 
@@ -14,11 +16,14 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
+from serving import Server, trained
 
 from gpuwise.cli import main
 from gpuwise.ui.app import create_app
+from gpuwise.ui.endpoints import Endpoint
 
 from train_data import image_folder
 
@@ -35,6 +40,87 @@ def finished_run(tmp_path_factory) -> Path:
         mp.setenv("GPUWISE_DB", str(root / "runs.sqlite"))
         assert main(args.split()) == 0
     return run
+
+
+@pytest.fixture(scope="module")
+def second_run(finished_run) -> Path:
+    """A second run beside the first, other learning rate and length: the pair the compare page shows."""
+    run = finished_run.parent / "defects-lr"
+    cells = finished_run.parents[1] / "cells"
+    args = f"train defects --data {cells} --image-size 32 --batch-size 8 --max-steps 4 --lr 0.01 --run-dir {run}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GPUWISE_DB", str(finished_run.parents[1] / "runs.sqlite"))
+        assert main(args.split()) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def endpoints(finished_run, tmp_path_factory):
+    """Two real `gpuwise serve` endpoints (uvicorn threads on loopback): the defects run, which takes images,
+    and product-lm's scratch Llama behind the OpenAI API and a key. Greedy answers are nonsense, but fixed."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GPUWISE_DB", str(tmp_path_factory.mktemp("lmdb") / "runs.sqlite"))
+        lm = trained(tmp_path_factory.mktemp("lm"), "product-lm")
+    images, chat = Server(finished_run), Server(lm, api_key="k", limits={"max_tokens": 500})
+    with images as direct_images, chat as direct_chat:
+        direct_chat.headers["Authorization"] = "Bearer k"
+        yield [(images.url, None, direct_images), (chat.url, "k", direct_chat)]
+
+
+def ui_client(runs_dir: Path, eps) -> TestClient:
+    return TestClient(create_app(runs_dir=runs_dir, endpoints=[Endpoint(url, key) for url, key, _ in eps]))
+
+
+def sse_text(body: str) -> tuple[str, dict]:
+    """A streamed chat's text and its usage chunk, from the raw server-sent events."""
+    events = [json.loads(line[5:]) for line in body.splitlines() if line.startswith("data:") and "[DONE]" not in line]
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    return text, next(e["usage"] for e in events if e.get("usage"))
+
+
+def test_the_models_page_lists_what_serve_would_serve_and_what_each_endpoint_answers(finished_run, endpoints):
+    models = ui_client(finished_run.parent, endpoints).get("/api/models").json()
+    assert {"name": finished_run.name, "kind": "defects", "path": str(finished_run),
+            "command": f"gpuwise serve {finished_run}"} in models["servable"]  # fmt: skip
+    images, chat = models["endpoints"]
+    assert images["up"] and images["images"] and images["chat"] == [] and images["info"]["workload"] == "defects"
+    assert chat["up"] and not chat["images"] and chat["chat"] == ["product-lm"]  # its key sent by the ui
+    unkeyed = TestClient(create_app(runs_dir=finished_run.parent, endpoints=[Endpoint(endpoints[1][0])]))
+    (refused,) = unkeyed.get("/api/models").json()["endpoints"]
+    assert not refused["up"] and "missing or wrong API key" in refused["error"]
+
+
+def test_a_chat_and_an_image_sent_through_the_ui_get_the_endpoints_own_answers(finished_run, endpoints):
+    ui = ui_client(finished_run.parent, endpoints)
+    png = next((finished_run.parents[1] / "cells" / "defective").iterdir())
+    sent = {"file": (png.name, png.read_bytes(), "image/png")}
+    through = ui.post("/api/endpoints/0/v1/predict", files=sent)
+    assert through.status_code == 200 and through.json() == endpoints[0][2].post("/v1/predict", files=sent).json()
+    ask = {"model": "product-lm", "messages": [{"role": "user", "content": "coffee"}], "max_tokens": 8,
+           "temperature": 0}  # fmt: skip
+    direct = endpoints[1][2].post("/v1/chat/completions", json=ask).json()
+    streamed = ui.post("/api/endpoints/1/v1/chat/completions",
+                       json={**ask, "stream": True, "stream_options": {"include_usage": True}})  # fmt: skip
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    text, usage = sse_text(streamed.text)
+    assert text == direct["choices"][0]["message"]["content"] and usage == direct["usage"]
+    # the endpoint's own refusals pass through in its (OpenAI's) shape; the ui's own in one line
+    wrong = ui.post("/api/endpoints/1/v1/chat/completions", json={**ask, "model": "nope"})
+    assert wrong.status_code == 404 and "nope" in wrong.json()["error"]["message"]
+    assert ui.get("/api/endpoints/7/v1/info").status_code == 404
+    assert ui.get("/api/endpoints/0/metrics").status_code == 404  # only the page's own calls are forwarded
+
+
+def test_an_endpoint_that_is_down_is_a_502_and_a_line_not_a_trace(finished_run):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    ui = TestClient(create_app(runs_dir=finished_run.parent, endpoints=[Endpoint(dead)]))
+    got = ui.post("/api/endpoints/0/v1/chat/completions", json={})
+    assert got.status_code == 502 and got.json()["error"] == f"{dead} is not answering (ConnectError)"
+    (down,) = ui.get("/api/models").json()["endpoints"]
+    assert not down["up"] and "not answering" in down["error"]
+    assert main(["ui", "--endpoint", "localhost:8000"]) == 2
 
 
 def cli_plan(capsys, *args: str) -> dict:
@@ -114,6 +200,28 @@ def test_off_loopback_without_a_key_is_refused(capsys):
     assert "set --api-key" in capsys.readouterr().err
 
 
+def test_a_chat_the_page_stops_frees_the_endpoints_slot(server, endpoints):
+    """The page's Stop (or a closed tab) drops the forwarded stream; serve sees the disconnect and stops
+    generating for nobody, as it does for a client of its own."""
+    direct = endpoints[1][2]
+
+    def generated() -> float:
+        lines = direct.get("/metrics").text.splitlines()
+        return float(next(x for x in lines if x.startswith("gpuwise_generation_tokens_total")).split()[-1])
+
+    before = generated()
+    ask = {"model": "product-lm", "messages": [{"role": "user", "content": "my dog"}], "max_tokens": 400,
+           "temperature": 0, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{server}/api/endpoints/1/v1/chat/completions", json=ask, timeout=30) as s:
+        assert s.status_code == 200, s.read()
+        next(line for line in s.iter_lines() if line.startswith("data: "))
+    deadline = time.time() + 5
+    while "gpuwise_num_requests_running 0.0" not in direct.get("/metrics").text:
+        assert time.time() < deadline, "the stopped chat still holds its slot"
+        time.sleep(0.02)
+    assert generated() - before < ask["max_tokens"]
+
+
 # --- in a real browser ----------------------------------------------------------------------------------
 
 
@@ -124,10 +232,11 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(finished_run, tmp_path_factory):
+def server(finished_run, second_run, endpoints, tmp_path_factory):
     port = free_port()
-    env = dict(os.environ, GPUWISE_DB=str(finished_run.parents[1] / "runs.sqlite"))
+    env = dict(os.environ, GPUWISE_DB=str(finished_run.parents[1] / "runs.sqlite"), GPUWISE_ENDPOINT_KEY="k")
     cmd = [sys.executable, "-m", "gpuwise", "ui", "--port", str(port), "--runs-dir", str(finished_run.parent)]
+    cmd += ["--endpoint", endpoints[0][0], "--endpoint", endpoints[1][0] + "/v1"]  # the OpenAI base URL too
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(200):
@@ -201,3 +310,47 @@ def test_a_person_opens_a_run_and_finds_its_curves(server, page, tmp_path):
     assert page.locator("#curves svg[aria-label=loss]").count() == 1
     assert "peak memory" in page.inner_text("#planactual")
     shot(page, "ui-run.png", tmp_path)
+
+
+@pytest.mark.slow
+def test_a_person_sets_two_runs_side_by_side(server, page, tmp_path):
+    page.goto(f"{server}/?page=runs")
+    page.wait_for_selector("#runstable tbody tr")
+    assert page.is_disabled("#comparebtn")
+    assert page.locator("#runstable .pick").count() == 2  # both recorded: keyed by their record ids
+    for n in range(2):
+        page.locator("#runstable .pick").nth(n).check()
+    page.click("#comparebtn")
+    page.wait_for_selector("#comparecurves svg")
+    loss = page.locator("#comparecurves svg[aria-label=loss] path[data-series]")
+    assert loss.count() == 2  # one line per run on the same axes
+    assert "lr" in page.inner_text("#configdiff") and "max_steps" in page.inner_text("#configdiff")
+    assert "accuracy" in page.inner_text("#comparetable")
+    shot(page, "ui-compare.png", tmp_path)
+
+
+@pytest.mark.slow
+def test_a_person_chats_with_a_served_model_and_drops_an_image_on_another(
+    server, page, endpoints, finished_run, tmp_path
+):
+    page.goto(f"{server}/?page=models")
+    page.wait_for_selector("#endpoints tbody tr")
+    assert page.locator("#servable td", has_text="gpuwise serve").count() >= 2  # the two runs
+    # a chat reply streams in, the same text as the endpoint's own greedy answer
+    ask = {"model": "product-lm", "messages": [{"role": "user", "content": "my dog"}], "max_tokens": 8,
+           "temperature": 0}  # fmt: skip
+    expected = endpoints[1][2].post("/v1/chat/completions", json=ask).json()["choices"][0]["message"]["content"]
+    page.fill("#temperature", "0")
+    page.fill("#maxtokens", "8")
+    page.fill("#chatinput", "my dog")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#chatstats:has-text('tokens in')")
+    assert page.text_content(".msg.assistant .text") == expected
+    assert "finish: length" in page.inner_text("#chatstats") or "finish: stop" in page.inner_text("#chatstats")
+    # an image sent from the file chooser of the drop zone: the endpoint's probability, shown
+    png = next((finished_run.parents[1] / "cells" / "defective").iterdir())
+    direct = endpoints[0][2].post("/v1/predict", files={"file": (png.name, png.read_bytes(), "image/png")}).json()
+    page.set_input_files("#imagefile", str(png))
+    page.wait_for_selector("#prediction")
+    assert f"probability {direct['predictions'][0]['probability']:.3f}" in page.inner_text("#prediction")
+    shot(page, "ui-models.png", tmp_path)

@@ -1,4 +1,4 @@
-"""`gpuwise ui`: the planner, the runs and the bench in a browser (ui/)."""
+"""`gpuwise ui`: the planner, the runs, the bench and the served models in a browser (ui/)."""
 
 from __future__ import annotations
 
@@ -26,14 +26,29 @@ def ui(
             "show in the process list.",
         ),
     ] = None,
+    endpoint: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="URL",
+            help="A running `gpuwise serve` (its URL, e.g. http://127.0.0.1:8000), repeatable: the Models page "
+            "chats with its language models and sends images to its image model, through this server.",
+        ),
+    ] = None,
+    endpoint_key: Annotated[
+        str | None,
+        typer.Option(envvar="GPUWISE_ENDPOINT_KEY", help="The API key of the --endpoint servers, if they need one."),
+    ] = None,
     catalog: CatalogOpt = None,
 ) -> None:
-    """A local web page: plan a model on every accelerator, follow and compare runs, see the bench.
+    """A local web page: plan a model on every accelerator, follow and compare runs, see the bench, and try the
+    models `gpuwise serve` serves (a chat, an image).
 
-    Example: gpuwise ui, then open http://127.0.0.1:8300/ (every script and style ships in the package)."""
+    Example: gpuwise ui --endpoint http://127.0.0.1:8000, then open http://127.0.0.1:8300/ (every script and
+    style ships in the package)."""
     import uvicorn
 
     from gpuwise.ui.app import create_app
+    from gpuwise.ui.endpoints import parse_endpoints
 
     if not is_loopback(host) and not api_key:
         raise GpuwiseError(
@@ -41,7 +56,8 @@ def ui(
         )
     if api_key is not None and (not api_key.strip() or any(ord(c) < 33 or ord(c) == 127 for c in api_key)):
         raise GpuwiseError("--api-key: empty, or holds spaces or control characters that no header or cookie carries")
-    app = create_app(catalog, runs_dir, api_key)
+    endpoints = parse_endpoints(list(endpoint or []), endpoint_key)
+    app = create_app(catalog, runs_dir, api_key, endpoints)
     _check_port_free(host, port)
     print(f"gpuwise ui on http://{host}:{port}/ (Ctrl-C stops it)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")

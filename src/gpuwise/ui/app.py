@@ -1,8 +1,9 @@
-"""`gpuwise ui`: the planner, the runs and the bench in a browser, from one local process.
+"""`gpuwise ui`: the planner, the runs, the bench and the served models in a browser, from one local process.
 
 The page (static/index.html, app.js, app.css: no framework, no CDN, nothing fetched from the internet) calls
 this JSON API, and the API calls what the CLI calls: `plan_for` (= `gpuwise plan --json`, unrecorded), the run
-record (`gpuwise runs`), a run directory's metrics.jsonl and report (`gpuwise report`). No figure is computed
+record (`gpuwise runs`), a run directory's metrics.jsonl and report (`gpuwise report`), and the running
+`gpuwise serve` endpoints it was given (ui/endpoints.py). No figure is computed
 twice, so the page and the CLI agree (tests/test_ui.py). Bad input is a 400 with the CLI's one line and the
 field it is about; nothing a user types gives a 5xx.
 """
@@ -98,13 +99,19 @@ class KeyGuard:
         await self.app(scope, receive, send)
 
 
-def create_app(catalog_files: list[Path] | None = None, runs_dir: Path = Path("runs"), key: str | None = None):
-    """The ASGI app `gpuwise ui` serves; `key`: required on every data path when set."""
-    app = _app(catalog_files, runs_dir)
+def create_app(
+    catalog_files: list[Path] | None = None,
+    runs_dir: Path = Path("runs"),
+    key: str | None = None,
+    endpoints: list | None = None,
+):
+    """The ASGI app `gpuwise ui` serves; `key`: required on every data path when set; `endpoints`: running
+    `gpuwise serve` processes (ui.endpoints.Endpoint) the Models page talks to."""
+    app = _app(catalog_files, runs_dir, endpoints or [])
     return KeyGuard(app, key) if key else app
 
 
-def _app(catalog_files: list[Path] | None, runs_dir: Path) -> FastAPI:
+def _app(catalog_files: list[Path] | None, runs_dir: Path, endpoints: list) -> FastAPI:
     from gpuwise.hardware.catalog import load_catalog
 
     load_catalog(catalog_files)  # a broken --catalog is one line at start, not a 400 on every plan
@@ -188,5 +195,25 @@ def _app(catalog_files: list[Path] | None, runs_dir: Path) -> FastAPI:
         from gpuwise.ui.records import bench_rows
 
         return JSONResponse(json.loads(to_json(bench_rows())))
+
+    @app.get("/api/models")
+    async def models() -> dict[str, Any]:
+        import asyncio
+
+        from gpuwise.ui.endpoints import describe, servable
+
+        found = await asyncio.gather(*(describe(ep, i) for i, ep in enumerate(endpoints)))
+        return {"servable": await asyncio.to_thread(servable, runs_dir), "endpoints": list(found)}
+
+    @app.api_route("/api/endpoints/{index}/{path:path}", methods=["GET", "POST"])
+    async def endpoint(index: int, path: str, request: Request):
+        from gpuwise.ui.endpoints import MAX_BODY, forward
+
+        if not 0 <= index < len(endpoints):
+            return JSONResponse({"error": f"no endpoint #{index}: start gpuwise ui with --endpoint URL"}, 404)
+        if int(request.headers.get("content-length") or 0) > MAX_BODY:
+            return JSONResponse({"error": f"larger than {MAX_BODY >> 20} MB", "field": "file"}, 413)
+        body = await request.body()
+        return await forward(endpoints[index], request.method, path, body, request.headers.get("content-type"))
 
     return app

