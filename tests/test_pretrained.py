@@ -39,8 +39,21 @@ def test_the_named_base_is_converted_once_and_loads_as_published(smollm2):
 def test_lora_on_the_real_base_reports_bits_per_byte_before_and_after(smollm2, tmp_path, capsys):
     data = reviews_jsonl(tmp_path / "reviews.jsonl")
     run = tmp_path / "run"
-    argv = ["train", "product-lm", "--data", str(data), "--max-steps", "2", "--batch-size", "2", "--block-size",
-            "64", "--run-dir", str(run), "--json"]
+    argv = [
+        "train",
+        "product-lm",
+        "--data",
+        str(data),
+        "--max-steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--block-size",
+        "64",
+        "--run-dir",
+        str(run),
+        "--json",
+    ]
     assert main(argv) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["data"]["method"] == "lora" and s["data"]["base"].startswith("smollm2-135m-instruct")
@@ -62,8 +75,23 @@ def test_qlora_with_merge_and_full_fine_tuning_run_on_the_real_base(method, smol
 
     data = reviews_jsonl(tmp_path / "reviews.jsonl", n=40)
     run = tmp_path / method
-    argv = ["train", "product-lm", "--data", str(data), "--method", method, "--max-steps", "1", "--batch-size", "2",
-            "--block-size", "64", "--run-dir", str(run), "--json"] + (["--merge"] if method == "qlora" else [])
+    argv = [
+        "train",
+        "product-lm",
+        "--data",
+        str(data),
+        "--method",
+        method,
+        "--max-steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--block-size",
+        "64",
+        "--run-dir",
+        str(run),
+        "--json",
+    ] + (["--merge"] if method == "qlora" else [])
     assert main(argv) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["data"]["method"] == method and s["data"]["base"].startswith("smollm2-135m-instruct")
@@ -127,18 +155,15 @@ def test_the_plan_of_a_lora_step_on_smollm2_matches_the_step_measured_here(smoll
     """`gpuwise plan --model smollm2-135m-instruct` (the GGUF header, no weights) against one LoRA step of
     the real model (rank 16, all linear layers, AdamW, fp32, 4 x 128 tokens), measured here:
     - FLOPs against torch's FlopCounterMode: 0 to 8 % over (the analytic count: 4 N + 6 x trainable + attention);
-    - memory against the profiler's peak of live tensors (the figure CUDA's max_memory_allocated gives): 10 %;
+    - memory against the peak of live tensors (the states plus the profiler's allocations over the step, the
+      figure CUDA's max_memory_allocated gives): 10 %;
     - step time, FLOPs / (this CPU's derived fp32 peak x the default 46.2 % efficiency), against the median
       of three steps: within 50 % (an uncalibrated CPU plan; `gpuwise bench` calibrates the efficiency).
     The process's resident set is larger than the tensors (math-library buffers; see README, Memory on a CPU)."""
-    import json as js
     import statistics
-    import tempfile
-    import warnings
 
     import torch
     from peft import LoraConfig, get_peft_model
-    from torch.profiler import ProfilerActivity, profile
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
 
@@ -146,7 +171,7 @@ def test_the_plan_of_a_lora_step_on_smollm2_matches_the_step_measured_here(smoll
     from gpuwise.plan.memory import memory
     from gpuwise.plan.model import resolve_model
     from gpuwise.plan.request import Layout, PlanRequest
-    from gpuwise.train.measure import peak_flops
+    from gpuwise.train.measure import StepPeak, held_bytes, peak_flops
 
     batch, seq, rank = 4, 128, 16
     spec = resolve_model("smollm2-135m-instruct")
@@ -157,8 +182,9 @@ def test_the_plan_of_a_lora_step_on_smollm2_matches_the_step_measured_here(smoll
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(smollm2)
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
-                                             task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM")
+    )
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, spec.vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
 
@@ -168,12 +194,7 @@ def test_the_plan_of_a_lora_step_on_smollm2_matches_the_step_measured_here(smoll
         opt.zero_grad(set_to_none=True)
 
     step()  # creates the optimizer's states, which every later step holds
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as p:
-        step()
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        p.export_memory_timeline(f"{tmp}/timeline.json", device="cpu")
-        measured_bytes = max(sum(s) for s in js.loads(Path(f"{tmp}/timeline.json").read_text())[1])
+    measured_bytes = StepPeak("cpu", lambda: held_bytes(model, opt))(step)
     counter = FlopCounterMode(display=False)
     with counter:
         step()
@@ -185,9 +206,11 @@ def test_the_plan_of_a_lora_step_on_smollm2_matches_the_step_measured_here(smoll
     peak, _ = peak_flops("cpu", "32-true")
 
     planned_s = planned_flops / (peak * 0.462) if peak else None  # None where the CPU's clock is unknown
-    print(f"plan/measured: FLOPs {planned_flops / counter.get_total_flops():.3f}, memory "
-          f"{planned_bytes / 2**30:.2f}/{measured_bytes / 2**30:.2f} GiB, step {planned_s}"
-          f"/{statistics.median(times):.2f} s")  # pytest -s shows it
+    print(
+        f"plan/measured: FLOPs {planned_flops / counter.get_total_flops():.3f}, memory "
+        f"{planned_bytes / 2**30:.2f}/{measured_bytes / 2**30:.2f} GiB, step {planned_s}"
+        f"/{statistics.median(times):.2f} s"
+    )  # pytest -s shows it
     # The plan counts the input gradient of every frozen matrix; autograd skips it for the first layer's
     # q/k/v/gate/up (the frozen embedding's output needs none): an upper bound, +4.9 % measured for 30 layers.
     assert 1.0 <= planned_flops / counter.get_total_flops() <= 1.08
@@ -200,8 +223,14 @@ def test_a_tokenizer_of_another_model_is_one_line_and_writes_nothing(smollm2, tm
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     base = tmp_path / "mixed"
-    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     LlamaForCausalLM(config).save_pretrained(base)
     AutoTokenizer.from_pretrained(smollm2).save_pretrained(base)  # 49,152 tokens for a 256-row embedding
     capsys.readouterr()  # transformers' progress bars while saving

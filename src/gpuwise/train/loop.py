@@ -139,7 +139,7 @@ def _train(run: Run, console) -> dict | None:
     # --- train ----------------------------------------------------------------------------
     inject, stop = fit.OOMInjector(), StopFlag()
     mem = measure.PeakMemory(accelerator, sum(p.numel() * p.element_size() for p in raw.parameters()))
-    step_peak = measure.StepPeak(accelerator)
+    step_peak = measure.StepPeak(accelerator, lambda: measure.held_bytes(raw, optimizer))
     # The last step is the one measured: after the first the optimizer states exist, and a profiled step
     # slows the few after it (the scratch Llama's steps ran 164-193 ms after one, 118 before)
     measured_step = total - 1
