@@ -39,21 +39,8 @@ def test_the_named_base_is_converted_once_and_loads_as_published(smollm2):
 def test_lora_on_the_real_base_reports_bits_per_byte_before_and_after(smollm2, tmp_path, capsys):
     data = reviews_jsonl(tmp_path / "reviews.jsonl")
     run = tmp_path / "run"
-    argv = [
-        "train",
-        "product-lm",
-        "--data",
-        str(data),
-        "--max-steps",
-        "2",
-        "--batch-size",
-        "2",
-        "--block-size",
-        "64",
-        "--run-dir",
-        str(run),
-        "--json",
-    ]
+    argv = ["train", "product-lm", "--data", str(data), "--max-steps", "2", "--batch-size", "2", "--block-size",
+            "64", "--run-dir", str(run), "--json"]
     assert main(argv) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["data"]["method"] == "lora" and s["data"]["base"].startswith("smollm2-135m-instruct")
@@ -75,23 +62,8 @@ def test_qlora_with_merge_and_full_fine_tuning_run_on_the_real_base(method, smol
 
     data = reviews_jsonl(tmp_path / "reviews.jsonl", n=40)
     run = tmp_path / method
-    argv = [
-        "train",
-        "product-lm",
-        "--data",
-        str(data),
-        "--method",
-        method,
-        "--max-steps",
-        "1",
-        "--batch-size",
-        "2",
-        "--block-size",
-        "64",
-        "--run-dir",
-        str(run),
-        "--json",
-    ] + (["--merge"] if method == "qlora" else [])
+    argv = ["train", "product-lm", "--data", str(data), "--method", method, "--max-steps", "1", "--batch-size", "2",
+            "--block-size", "64", "--run-dir", str(run), "--json"] + (["--merge"] if method == "qlora" else [])
     assert main(argv) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["data"]["method"] == method and s["data"]["base"].startswith("smollm2-135m-instruct")
@@ -182,9 +154,8 @@ def test_the_plan_of_a_lora_step_on_smollm2_matches_the_step_measured_here(smoll
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(smollm2)
-    model = get_peft_model(
-        model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM")
-    )
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                                             task_type="CAUSAL_LM"))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, spec.vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
 
@@ -206,11 +177,9 @@ def test_the_plan_of_a_lora_step_on_smollm2_matches_the_step_measured_here(smoll
     peak, _ = peak_flops("cpu", "32-true")
 
     planned_s = planned_flops / (peak * 0.462) if peak else None  # None where the CPU's clock is unknown
-    print(
-        f"plan/measured: FLOPs {planned_flops / counter.get_total_flops():.3f}, memory "
-        f"{planned_bytes / 2**30:.2f}/{measured_bytes / 2**30:.2f} GiB, step {planned_s}"
-        f"/{statistics.median(times):.2f} s"
-    )  # pytest -s shows it
+    print(f"plan/measured: FLOPs {planned_flops / counter.get_total_flops():.3f}, memory "
+          f"{planned_bytes / 2**30:.2f}/{measured_bytes / 2**30:.2f} GiB, step {planned_s}"
+          f"/{statistics.median(times):.2f} s")  # pytest -s shows it
     # The plan counts the input gradient of every frozen matrix; autograd skips it for the first layer's
     # q/k/v/gate/up (the frozen embedding's output needs none): an upper bound, +4.9 % measured for 30 layers.
     assert 1.0 <= planned_flops / counter.get_total_flops() <= 1.08
@@ -223,14 +192,8 @@ def test_a_tokenizer_of_another_model_is_one_line_and_writes_nothing(smollm2, tm
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     base = tmp_path / "mixed"
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-    )
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
     LlamaForCausalLM(config).save_pretrained(base)
     AutoTokenizer.from_pretrained(smollm2).save_pretrained(base)  # 49,152 tokens for a 256-row embedding
     capsys.readouterr()  # transformers' progress bars while saving

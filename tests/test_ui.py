@@ -81,7 +81,7 @@ def sse_text(body: str) -> tuple[str, dict]:
 def test_the_models_page_lists_what_serve_would_serve_and_what_each_endpoint_answers(finished_run, endpoints):
     models = ui_client(finished_run.parent, endpoints).get("/api/models").json()
     assert {"name": finished_run.name, "kind": "defects", "path": str(finished_run),
-            "command": f"gpuwise serve {finished_run}"} in models["servable"]  # fmt: skip
+            "command": f"gpuwise serve {finished_run}"} in models["servable"]
     images, chat = models["endpoints"]
     assert images["up"] and images["images"] and images["chat"] == [] and images["info"]["workload"] == "defects"
     assert chat["up"] and not chat["images"] and chat["chat"] == ["product-lm"]  # its key sent by the ui
@@ -97,10 +97,10 @@ def test_a_chat_and_an_image_sent_through_the_ui_get_the_endpoints_own_answers(f
     through = ui.post("/api/endpoints/0/v1/predict", files=sent)
     assert through.status_code == 200 and through.json() == endpoints[0][2].post("/v1/predict", files=sent).json()
     ask = {"model": "product-lm", "messages": [{"role": "user", "content": "coffee"}], "max_tokens": 8,
-           "temperature": 0}  # fmt: skip
+           "temperature": 0}
     direct = endpoints[1][2].post("/v1/chat/completions", json=ask).json()
     streamed = ui.post("/api/endpoints/1/v1/chat/completions",
-                       json={**ask, "stream": True, "stream_options": {"include_usage": True}})  # fmt: skip
+                       json={**ask, "stream": True, "stream_options": {"include_usage": True}})
     assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
     text, usage = sse_text(streamed.text)
     assert text == direct["choices"][0]["message"]["content"] and usage == direct["usage"]
@@ -211,7 +211,7 @@ def test_a_chat_the_page_stops_frees_the_endpoints_slot(server, endpoints):
 
     before = generated()
     ask = {"model": "product-lm", "messages": [{"role": "user", "content": "my dog"}], "max_tokens": 400,
-           "temperature": 0, "stream": True}  # fmt: skip
+           "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server}/api/endpoints/1/v1/chat/completions", json=ask, timeout=30) as s:
         assert s.status_code == 200, s.read()
         next(line for line in s.iter_lines() if line.startswith("data: "))
@@ -338,7 +338,7 @@ def test_a_person_chats_with_a_served_model_and_drops_an_image_on_another(
     assert page.locator("#servable td", has_text="gpuwise serve").count() >= 2  # the two runs
     # a chat reply streams in, the same text as the endpoint's own greedy answer
     ask = {"model": "product-lm", "messages": [{"role": "user", "content": "my dog"}], "max_tokens": 8,
-           "temperature": 0}  # fmt: skip
+           "temperature": 0}
     expected = endpoints[1][2].post("/v1/chat/completions", json=ask).json()["choices"][0]["message"]["content"]
     page.fill("#temperature", "0")
     page.fill("#maxtokens", "8")
