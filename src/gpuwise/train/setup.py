@@ -291,10 +291,8 @@ def analytic_plan(work, cfg, micro: int, precision: str, raw) -> dict:
     # Not every weight's gradient is alive at that peak: backward makes each layer's as it frees that layer's
     # activations, so as it starts only the output layer's exists. The end of backward (every gradient, no
     # activations) is the other candidate. A full fine-tune of the scratch Llama: 12 % over without this.
-    states, grads = (
-        measure.state_bytes(raw),
-        sum(p.numel() * p.element_size() for p in raw.parameters() if p.requires_grad),
-    )
+    states = measure.state_bytes(raw)
+    grads = sum(p.numel() * p.element_size() for p in raw.parameters() if p.requires_grad)
     head = raw.get_output_embeddings() if hasattr(raw, "get_output_embeddings") else None
     head_grad = (
         head.weight.numel() * head.weight.element_size() if head is not None and head.weight.requires_grad else 0

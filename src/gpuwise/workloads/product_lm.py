@@ -271,35 +271,38 @@ def merge(adapter_dir: Path, target: Path, tok) -> str:
 
 
 @torch.no_grad()
-def generate(model, tok, prompts, max_tokens: int, device, seed: int = 0) -> list[str]:
-    """Each prompt continued by sampling (top-p 0.9, temperature 0.8), all in one batch: decoding is bound by
-    reading the weights once per step (QLoRA also dequantizes them each step), so two prompts cost about what
-    one does. Left-padded, as a decoder-only model must be to continue every row from its last token."""
+def generate(model, tok, prompts, max_tokens: int, device, seed: int = 0, batch: int = 16) -> list[str]:
+    """Each prompt continued by sampling (top-p 0.9, temperature 0.8), `batch` prompts at a time: decoding is
+    bound by reading the weights once per step (QLoRA also dequantizes them each step), so two prompts cost
+    about what one does. Left-padded, as a decoder-only model must be to continue every row from its last token."""
     model.eval()
     torch.manual_seed(seed)
     side, pad = tok.padding_side, tok.pad_token
     tok.padding_side = "left"
     if tok.pad_token is None:  # scratch and most chat tokenizers have none; its positions are masked out
         tok.pad_token = tok.eos_token
+    out = []
     try:
-        batch = tok(list(prompts), return_tensors="pt", padding=True).to(device)
-        gen = model.generate(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            max_new_tokens=max_tokens,
-            do_sample=True,
-            top_p=0.9,
-            temperature=0.8,
-            pad_token_id=tok.pad_token_id,
-        )
+        for start in range(0, len(prompts), batch):
+            inputs = tok(list(prompts[start : start + batch]), return_tensors="pt", padding=True).to(device)
+            gen = model.generate(
+                input_ids=inputs["input_ids"],
+                attention_mask=inputs["attention_mask"],
+                max_new_tokens=max_tokens,
+                do_sample=True,
+                top_p=0.9,
+                temperature=0.8,
+                pad_token_id=tok.pad_token_id,
+            )
+            width = inputs["input_ids"].shape[1]
+            out += [
+                tok.decode(ids[width - int(mask.sum()) :], skip_special_tokens=True)
+                for ids, mask in zip(gen, inputs["attention_mask"], strict=True)
+            ]
     finally:
         tok.padding_side, tok.pad_token = side, pad
     model.train()
-    width = batch["input_ids"].shape[1]
-    return [
-        tok.decode(ids[width - int(mask.sum()) :], skip_special_tokens=True)
-        for ids, mask in zip(gen, batch["attention_mask"], strict=True)
-    ]
+    return out
 
 
 def sample_prompts(tok) -> list[str]:

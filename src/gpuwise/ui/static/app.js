@@ -511,7 +511,8 @@ async function sendChat(text) {
     if (e.name === "AbortError") $("#chatstats").textContent = "stopped: the endpoint freed the sequence";
     else $("#chaterror").textContent = messageOf(e);
   } finally {
-    chat.push({ role: "assistant", content: reply });
+    if (reply) chat.push({ role: "assistant", content: reply });
+    else chat.pop();  // nothing came back: the next message is sent without this unanswered one
     chatAbort = null;
     $("#chatsend").disabled = false; $("#chatstop").disabled = true;
   }
