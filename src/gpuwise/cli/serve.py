@@ -23,6 +23,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def check_key(host: str, api_key: str | None, exposes: str, cookie: bool = False) -> None:
+    """The rule of every gpuwise server: off loopback a key is required, and a key must be one an HTTP header
+    (and, where the page sends it as a cookie, a cookie: no spaces) can carry."""
+    if not is_loopback(host) and not api_key:
+        raise GpuwiseError(f"--host {host} exposes {exposes} beyond this machine: set --api-key or GPUWISE_API_KEY")
+    lowest = 33 if cookie else 32  # a cookie value holds no space
+    if api_key is not None and (not api_key.strip() or any(ord(c) < lowest or ord(c) == 127 for c in api_key)):
+        kinds = (
+            "spaces or control characters that no header or cookie"
+            if cookie
+            else "control characters that no HTTP header"
+        )
+        raise GpuwiseError(f"--api-key: empty, or holds {kinds} can carry")
+
+
 def _check_port_free(host: str, port: int) -> None:
     """uvicorn logs a failed bind and exits; one line here instead."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -130,10 +145,7 @@ def serve(
         raise GpuwiseError(f"--dtype {dtype}: choose auto, fp32, bf16 or fp16")
     if runtime not in ("torch", "onnx"):
         raise GpuwiseError(f"--runtime {runtime}: choose torch or onnx")
-    if not is_loopback(host) and not api_key:
-        raise GpuwiseError(f"--host {host} exposes the model beyond this machine: set --api-key or GPUWISE_API_KEY")
-    if api_key is not None and (not api_key.strip() or any(ord(c) < 32 or ord(c) == 127 for c in api_key)):
-        raise GpuwiseError("--api-key: empty, or holds control characters that no HTTP header can carry")
+    check_key(host, api_key, "the model")
     _check_port_free(host, port)
     limits = Limits(
         max_body_bytes=int(max_body_mb * 2**20),

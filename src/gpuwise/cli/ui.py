@@ -8,8 +8,7 @@ from typing import Annotated
 import typer
 
 from gpuwise.cli.options import CatalogOpt
-from gpuwise.cli.serve import _check_port_free, is_loopback
-from gpuwise.errors import GpuwiseError
+from gpuwise.cli.serve import _check_port_free, check_key
 
 
 def ui(
@@ -50,12 +49,7 @@ def ui(
     from gpuwise.ui.app import create_app
     from gpuwise.ui.endpoints import parse_endpoints
 
-    if not is_loopback(host) and not api_key:
-        raise GpuwiseError(
-            f"--host {host} exposes the run record beyond this machine: set --api-key or GPUWISE_API_KEY"
-        )
-    if api_key is not None and (not api_key.strip() or any(ord(c) < 33 or ord(c) == 127 for c in api_key)):
-        raise GpuwiseError("--api-key: empty, or holds spaces or control characters that no header or cookie carries")
+    check_key(host, api_key, "the run record", cookie=True)
     endpoints = parse_endpoints(list(endpoint or []), endpoint_key)
     app = create_app(catalog, runs_dir, api_key, endpoints)
     _check_port_free(host, port)

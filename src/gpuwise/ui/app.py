@@ -211,7 +211,10 @@ def _app(catalog_files: list[Path] | None, runs_dir: Path, endpoints: list) -> F
 
         if not 0 <= index < len(endpoints):
             return JSONResponse({"error": f"no endpoint #{index}: start gpuwise ui with --endpoint URL"}, 404)
-        if int(request.headers.get("content-length") or 0) > MAX_BODY:
+        length = request.headers.get("content-length") or "0"
+        if not length.isdigit():
+            return JSONResponse({"error": f"Content-Length {length[:40]!r} is not a number", "field": None}, 400)
+        if int(length) > MAX_BODY:
             return JSONResponse({"error": f"larger than {MAX_BODY >> 20} MB", "field": "file"}, 413)
         body = await request.body()
         return await forward(endpoints[index], request.method, path, body, request.headers.get("content-type"))

@@ -111,8 +111,10 @@ async def describe(ep: Endpoint, index: int) -> dict[str, Any]:
             if "/v1/chat/completions" in paths:
                 models = await client.get(f"{ep.url}/v1/models", headers=_headers(ep))
                 out["chat"] = [m["id"] for m in models.json().get("data", [])] if models.status_code == 200 else []
-        except (httpx.HTTPError, ValueError) as e:
+        except httpx.HTTPError as e:
             out["error"] = f"{ep.url} is not answering ({type(e).__name__})"
+        except (ValueError, AttributeError, KeyError, TypeError):  # JSON, but not serve's
+            out.update(up=False, error=f"{ep.url} answers, but not as `gpuwise serve` does")
     return out
 
 
