@@ -1,11 +1,13 @@
 """What each lever buys the defects workload on ELPV: one full training run per variant, in fresh processes
 one after another, each scored on the same test cells.
 
-Run: .venv/bin/python benchmarks/defects_ablation.py [--variants default,20-epochs,soft,jitter] [--seed 0]
+Run: .venv/bin/python benchmarks/defects_ablation.py [--variants default,plain-conv,...] [--seed 0]
 
 Variants (each the default run, `gpuwise train defects`, with one change):
-  default      50 epochs, hard labels, flips and 90-degree turns, threshold from the validation cells
-  20-epochs    --epochs 20 (the default until 2026-12-01)
+  default      weight-standardized convolutions, hard labels, flips and 90-degree turns, threshold from the
+               validation cells
+  plain-conv   plain convolutions (defects.WEIGHT_STANDARDIZATION = False, the default until 2026-12-02)
+  20-epochs    --epochs 20
   soft         ELPV's own defect probabilities (0, 1/3, 2/3, 1) as targets instead of 0/1 (defects.SOFT_TARGETS)
   jitter       brightness and contrast jitter of +-20 % on top of the flips and turns (defects.JITTER = 0.2)
 
@@ -27,6 +29,7 @@ from pathlib import Path
 
 VARIANTS = {
     "default": ({}, []),
+    "plain-conv": ({"WEIGHT_STANDARDIZATION": False}, []),
     "20-epochs": ({}, ["--epochs", "20"]),
     "soft": ({"SOFT_TARGETS": True}, []),
     "jitter": ({"JITTER": 0.2}, []),

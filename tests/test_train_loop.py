@@ -69,11 +69,13 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def assert_same_training(run_a: Path, run_b: Path, file: str = "model.safetensors") -> None:
-    """Same math, other float summation order. Tolerances: the loss trajectories to 1e-4 relative; the
+    """Same math, other float summation order. Tolerances: the loss trajectories to 2e-3 relative; the
     weights to 1e-3 of the whole model's norm, because Adam divides by sqrt(v): a near-zero gradient
     whose float noise flips sign moves its weight by +-lr, which no element-wise check survives, and
-    the next steps' losses inherit a little of it (seen here: 4e-5 relative by step 6)."""
-    torch.testing.assert_close(torch.tensor(losses(run_b)), torch.tensor(losses(run_a)), rtol=1e-4, atol=1e-5)
+    the next steps' losses inherit a little of it. Weight standardization makes near-zero gradients
+    common (a kernel's gradient is projected off its mean and off the kernel itself): 5.3e-4 relative by
+    step 4 here, against 4e-5 by step 6 with plain convolutions."""
+    torch.testing.assert_close(torch.tensor(losses(run_b)), torch.tensor(losses(run_a)), rtol=2e-3, atol=1e-5)
     a, b = weights(run_a, file), weights(run_b, file)
     assert a.keys() == b.keys()
     diff = sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5
