@@ -212,7 +212,7 @@ def _app(catalog_files: list[Path] | None, runs_dir: Path, endpoints: list) -> F
         if not 0 <= index < len(endpoints):
             return JSONResponse({"error": f"no endpoint #{index}: start gpuwise ui with --endpoint URL"}, 404)
         length = request.headers.get("content-length") or "0"
-        if not length.isdigit():
+        if not (length.isascii() and length.isdigit()):  # int() would take other scripts' digits
             return JSONResponse({"error": f"Content-Length {length[:40]!r} is not a number", "field": None}, 400)
         if int(length) > MAX_BODY:
             return JSONResponse({"error": f"larger than {MAX_BODY >> 20} MB", "field": "file"}, 413)

@@ -338,7 +338,10 @@ def fold_standardization(model: nn.Module) -> nn.Module:
                     child.kernel_size,  # type: ignore[arg-type]
                     stride=child.stride,  # type: ignore[arg-type]
                     padding=child.padding,  # type: ignore[arg-type]
+                    dilation=child.dilation,  # type: ignore[arg-type]
+                    groups=child.groups,
                     bias=child.bias is not None,
+                    padding_mode=child.padding_mode,
                 )
                 plain.weight.copy_(child.standardized())
                 if child.bias is not None and plain.bias is not None:
