@@ -303,7 +303,7 @@ def main() -> None:
         )
     by = {(d, n, c): r["tokens_per_s"] for d, n, c, r, _ in rows}
     for dtype in dtypes:
-        ours = {c: by.get((dtype, "gpuwise serve", c)) for c in levels}
+        ours = {c: by.get((dtype, "gpuwise serve", c)) for c in LEVELS}
         cb = by.get((dtype, "transformers serve --cb", 32))
         plain = by.get((dtype, "transformers serve", 1))
         if ours[32] and cb:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpuwise.serve import attention
 from gpuwise.serve.packed import ONEDNN, Packed, PackedLinear
 
 log = logging.getLogger("gpuwise.serve")
@@ -53,7 +54,7 @@ def fused_decoder(model, pack: str | None) -> tuple[FusedDecoder | None, str]:
         log.warning("the fused decoder is %.2g off transformers' forward: serving with transformers'", off)
         return None, f"transformers' (the fused one was {off:.1e} off it at load)"
     decoder.release(model)
-    return decoder, f"gpuwise's fused decoder ({off:.1e} from transformers' at load)"
+    return decoder, f"gpuwise's fused decoder ({off:.1e} from transformers' at load; decode attention: {decoder.why})"
 
 
 def unsupported(model) -> str | None:
@@ -219,6 +220,13 @@ class FusedDecoder:
         self.norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
         self.tied = model.lm_head.weight is inner.embed_tokens.weight
         self.head = _Linear(*_weight(model.lm_head), pack)
+        # one query per row (a decode step): gpuwise's CPU kernel where it builds (serve/attention.py), else SDPA
+        self.attention, self.why = None, "SDPA"
+        if self.embed.device.type == "cpu":
+            kernel, why = attention.load()
+            if kernel is not None and not kernel.supports(self.embed.dtype, self.head_dim, self.embed.device):
+                kernel, why = None, f"{self.embed.dtype} or head dim {self.head_dim} is not one the kernel takes"
+            self.attention, self.why = kernel, why if kernel is not None else f"SDPA ({why})"
 
     def packed(self) -> tuple[int, int]:
         """(products packed, bytes packing added: MKL's packed copies, or for oneDNN the tied output layer's
@@ -289,8 +297,9 @@ class FusedDecoder:
     def __call__(
         self, ids: torch.Tensor, pos: torch.Tensor, bias: torch.Tensor, cache, adapters: list[str | None] | None = None
     ) -> torch.Tensor:
-        """ids, pos: [n, q]; bias: [n, 1, q, length] additive; `cache` bound to these rows and positions;
-        `adapters`: each row's LoRA adapter (None: the base)."""
+        """ids, pos: [n, q]; bias: [n, 1, q, length] additive, and at q == 1 causal (row i sees stored positions
+        0 .. pos[i], as the engine builds it: the decode kernel takes pos + 1 as each row's length instead);
+        `cache` bound to these rows and positions; `adapters`: each row's LoRA adapter (None: the base)."""
         n, q = ids.shape
         groups = self._groups(adapters, n)
         H, K, D = self.heads, self.kv_heads, self.head_dim
@@ -299,6 +308,11 @@ class FusedDecoder:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         rows, length, index, at = cache.rows, cache.length, cache.index, cache.pos
         fold = q == 1 and H != K  # one query: its H heads become H/K queries of each key/value head
+        kernel = self.attention if q == 1 else None
+        if kernel is not None:
+            lens = pos[:, 0] + 1
+            if int(lens.max()) > length:  # once a step: the kernel reads as far as it is told
+                raise ValueError(f"a row attends to {int(lens.max())} positions, the cache is bound to {length}")
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(_rms(x, layer.norm1), groups).view(n, q, H + 2 * K, D)
             qk = qkv[:, :, : H + K]
@@ -308,14 +322,18 @@ class FusedDecoder:
             k_cache, v_cache = cache.keys[i], cache.values[i]
             k_cache[index, at] = qk[:, :, H:]
             v_cache[index, at] = qkv[:, :, H + K :]
-            keys = k_cache[rows, :length].transpose(1, 2)  # [n, K, length, D]
-            values = v_cache[rows, :length].transpose(1, 2)
-            if fold:
+            keys, values = k_cache[rows, :length], v_cache[rows, :length]  # [n, length, K, D]
+            if kernel is not None:
+                out = kernel(qk[:, 0, :H], keys, values, lens).view(n, 1, H * D)
+            elif fold:
                 query = qk[:, 0, :H].reshape(n, K, H // K, D)
-                out = F.scaled_dot_product_attention(query, keys, values, attn_mask=bias)
+                out = F.scaled_dot_product_attention(
+                    query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=bias
+                )
                 out = out.reshape(n, 1, H * D)
             else:
                 query = qk[:, :, :H].transpose(1, 2)
+                keys, values = keys.transpose(1, 2), values.transpose(1, 2)
                 out = F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, enable_gqa=H != K)
                 out = out.transpose(1, 2).reshape(n, q, H * D)
             x = x + layer.o(out, groups)

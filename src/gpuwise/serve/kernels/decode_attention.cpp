@@ -1,0 +1,138 @@
+// Attention of one new token per sequence over its cached keys and values (a decode step), for CPUs with
+// AVX-512. Built and loaded by serve/attention.py, which says why it exists and what it measured.
+//
+// q:   [n, H, D] (strided: row q_sn, head q_sh; D contiguous), in T (float or bfloat16)
+// k, v: one layer of the slot cache, row i's position l of key/value head h at i*c_sn + l*c_sl + h*c_sh
+// lens: [n] how many positions row i attends to (0 .. lens[i]-1)
+// out: [n, H, D] (row o_sn, head o_sh)
+// Query head j reads key/value head j / (H / K) (grouped-query attention). Scores, softmax and the weighted
+// sum run in fp32 whatever T is; the output is rounded to T once.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {
+  // a bfloat16 is the high half of a float32
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// e^x for x <= 0 (a score less the row's max): 2^(x log2 e) = 2^i * 2^f with i an integer, |f| <= 1/2, and 2^f
+// by a degree-6 polynomial (its relative error is below float32's 2^-23 on that interval). Below -87 it gives
+// e^-87 (1.6e-38) rather than a denormal: nothing that small changes a softmax.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 i = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, i);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, i);
+}
+
+constexpr int64_t kMaxChunks = 16;  // head dim up to 256 in 16-float registers
+
+template <typename T>
+void attend(const T* q, const T* k, const T* v, const int64_t* lens, T* out, int64_t n, int64_t H, int64_t K,
+            int64_t D, int64_t q_sn, int64_t q_sh, int64_t c_sn, int64_t c_sl, int64_t c_sh, int64_t o_sn,
+            int64_t o_sh, float scale) {
+  const int64_t G = H / K, V = D / 16;
+  // A work item is a row, all its heads: the keys and values of one position (every head) are contiguous in the
+  // cache, read in one pass. With fewer rows than two per thread, a (row, key/value head) pair instead.
+  const int64_t split = n >= 2 * at::get_num_threads() ? 1 : K, per = K / split;
+  at::parallel_for(0, n * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512> query(H * V), acc(H * V);
+    std::vector<float> scores;
+    alignas(64) float lane[kMaxChunks * 16];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / split, h0 = item % split * per, h1 = h0 + per, L = lens[i];
+      const int64_t padded = (L + 15) / 16 * 16;
+      scores.resize(H * padded);
+      for (int64_t hg = h0 * G; hg < h1 * G; ++hg)
+        for (int64_t j = 0; j < V; ++j)
+          query[hg * V + j] = _mm512_mul_ps(load16(q + i * q_sn + hg * q_sh + j * 16), _mm512_set1_ps(scale));
+      const T* keys = k + i * c_sn;
+      for (int64_t l = 0; l < L; ++l) {
+        for (int64_t h = h0; h < h1; ++h) {
+          __m512 key[kMaxChunks];
+          for (int64_t j = 0; j < V; ++j) key[j] = load16(keys + l * c_sl + h * c_sh + j * 16);
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t hg = h * G + g;
+            __m512 dot = _mm512_mul_ps(query[hg * V], key[0]);
+            for (int64_t j = 1; j < V; ++j) dot = _mm512_fmadd_ps(query[hg * V + j], key[j], dot);
+            scores[hg * padded + l] = _mm512_reduce_add_ps(dot);
+          }
+        }
+      }
+      for (int64_t hg = h0 * G; hg < h1 * G; ++hg) {
+        float* s = scores.data() + hg * padded;
+        for (int64_t l = L; l < padded; ++l) s[l] = -INFINITY;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t l = 0; l < padded; l += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + l));
+        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t l = 0; l < padded; l += 16) {
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), max));
+          _mm512_storeu_ps(s + l, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+        for (int64_t l = 0; l < padded; l += 16) _mm512_storeu_ps(s + l, _mm512_mul_ps(_mm512_loadu_ps(s + l), inv));
+      }
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      const T* values = v + i * c_sn;
+      for (int64_t l = 0; l < L; ++l) {
+        for (int64_t h = h0; h < h1; ++h) {
+          __m512 value[kMaxChunks];
+          for (int64_t j = 0; j < V; ++j) value[j] = load16(values + l * c_sl + h * c_sh + j * 16);
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t hg = h * G + g;
+            const __m512 p = _mm512_set1_ps(scores[hg * padded + l]);
+            for (int64_t j = 0; j < V; ++j) acc[hg * V + j] = _mm512_fmadd_ps(p, value[j], acc[hg * V + j]);
+          }
+        }
+      }
+      for (int64_t hg = h0 * G; hg < h1 * G; ++hg) {
+        for (int64_t j = 0; j < V; ++j) _mm512_store_ps(lane + j * 16, acc[hg * V + j]);
+        T* o = out + i * o_sn + hg * o_sh;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(lane[d]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 float32, 1 bfloat16. Returns 0, or 1 when the shapes are not ones this kernel takes.
+int gpuwise_decode_attention(int dtype, const void* q, const void* k, const void* v, const int64_t* lens, void* out,
+                             int64_t n, int64_t H, int64_t K, int64_t D, int64_t q_sn, int64_t q_sh, int64_t c_sn,
+                             int64_t c_sl, int64_t c_sh, int64_t o_sn, int64_t o_sh, float scale) {
+  if (D % 16 != 0 || D / 16 > kMaxChunks || K <= 0 || H % K != 0) return 1;
+  if (dtype == 0) {
+    attend(static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v), lens,
+           static_cast<float*>(out), n, H, K, D, q_sn, q_sh, c_sn, c_sl, c_sh, o_sn, o_sh, scale);
+  } else if (dtype == 1) {
+    attend(static_cast<const c10::BFloat16*>(q), static_cast<const c10::BFloat16*>(k),
+           static_cast<const c10::BFloat16*>(v), lens, static_cast<c10::BFloat16*>(out), n, H, K, D, q_sn, q_sh,
+           c_sn, c_sl, c_sh, o_sn, o_sh, scale);
+  } else {
+    return 1;
+  }
+  return 0;
+}
+}
