@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/lm_vs_hf.py
 	$(BIN)/python benchmarks/llm_serve_load.py
 	$(BIN)/python benchmarks/engine_step.py
+	$(BIN)/python benchmarks/decode_attention.py
 	$(BIN)/python benchmarks/traced_vs_measured.py
 	$(BIN)/python benchmarks/serve_load.py
 	$(BIN)/python benchmarks/serve_abuse.py

@@ -1,8 +1,8 @@
 """One decode step of the serving engine, in one process, side by side, on SmolLM2-135M-Instruct: the fused
 decoder (serve/decoder.py, what `gpuwise serve` runs for a Llama-family model) and transformers' forward
-through the same engine, in fp32 and in bf16, the linears of both packed as `gpuwise serve` packs them (for MKL
-in fp32, for oneDNN in bf16 on a CPU with native bf16; the fused fp32 decoder also unpacked), and
-transformers' `generate` at the same batch.
+through the same engine, in fp32 and in bf16, the linears of both packed as `gpuwise serve` packs them
+(serve/packed.py; the fused fp32 decoder also unpacked; the fused bf16 one also with SDPA for its decode
+attention instead of serve/attention.py's kernel), and transformers' `generate` at the same batch.
 
 Run: .venv/bin/python benchmarks/engine_step.py [--batches 1,8,32] [--rounds 3] [--steps 16] [--lora 8]
 
@@ -71,6 +71,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from gpuwise.serve import attention
     from gpuwise.serve.decoder import fused_decoder
     from gpuwise.serve.engine import Engine
     from gpuwise.serve.packed import pack_linears, packing
@@ -85,13 +86,15 @@ def main() -> None:
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     batches = [int(b) for b in args.batches.split(",")]
 
-    def engine(model, fuse: bool = False, pack: bool = True) -> Engine:
+    def engine(model, fuse: bool = False, pack: bool = True, kernel: bool = True) -> Engine:
         decoder = None
         if fuse:  # as `gpuwise serve` builds it: checked against transformers' at load
             model = copy.deepcopy(model)
             decoder, note = fused_decoder(model, pack=packing("cpu", model.dtype) if pack else None)
             if decoder is None:
                 raise SystemExit(f"the fused decoder is not used for this model: {note}")
+            if not kernel:  # the decode steps' attention by SDPA, as before serve/attention.py
+                decoder.attention = None
         kw = {"max_seqs": max(batches), "kv_budget_tokens": 1 << 20, "max_queue": 1, "context": 2048}
         e = Engine(model, tok, decoder=decoder, **kw)
         e.close()  # its thread stops; the benchmark drives the steps itself
@@ -120,6 +123,7 @@ def main() -> None:
     variants = {"fp32": engine(packed(fp32)), "fp32 fused": engine(fp32, fuse=True)}
     variants |= {"fp32 fused unpacked": engine(fp32, fuse=True, pack=False)}
     variants |= {"bf16": engine(packed(bf16)), "bf16 fused": engine(bf16, fuse=True)}
+    variants |= {"bf16 fused SDPA": engine(bf16, fuse=True, kernel=False)}
     generate = {"fp32 generate": fp32, "bf16 generate": bf16}
     names = list(variants) + list(generate)
     steps: dict[tuple[str, int], list[float]] = {(v, b): [] for v in names for b in batches}
@@ -145,14 +149,17 @@ def main() -> None:
             cells.append(f"{ms:.1f} ms ({b / ms * 1e3:.0f}/s)")
         print(f"{b:>5}" + "".join(f"{c:>21}" for c in cells))
     print(f"packed: fp32 for {packing('cpu', torch.float32)}, bf16 for {packing('cpu', torch.bfloat16)}")
+    print(f"decode attention: {attention.load()[1]}")
     for b in batches:
         med = {k: statistics.median(v) for (k, bb), v in steps.items() if bb == b}
         ratio = {d: med[d] / med[f"{d} fused"] for d in ("fp32", "bf16")}
         vs32 = med["fp32 fused"] / med["bf16 fused"]
         pack = med["fp32 fused unpacked"] / med["fp32 fused"]
+        kernel_gain = med["bf16 fused SDPA"] / med["bf16 fused"]
         print(
             f"batch {b}: fused / transformers' forward = {ratio['fp32']:.2f}x in fp32, {ratio['bf16']:.2f}x in bf16;"
-            f" fused bf16 / fused fp32 = {vs32:.2f}x; fp32 fused packed for MKL / not packed = {pack:.2f}x"
+            f" fused bf16 / fused fp32 = {vs32:.2f}x; fp32 fused packed / not packed = {pack:.2f}x;"
+            f" bf16 fused, decode attention kernel / SDPA = {kernel_gain:.2f}x"
         )
 
 

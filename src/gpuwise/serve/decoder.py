@@ -11,7 +11,7 @@ scaling * B(A(x)) on their columns of the fused product.
 
 It reads the model's own weights: q/k/v and gate/up are concatenated once (the model's modules are then
 given views of the concatenated tensor, so nothing is held twice), and on a CPU every product is packed for
-oneDNN (bf16) or MKL (fp32) where `pack` says so (serve/packed.py). `FusedDecoder.check` compares it with
+oneDNN (bf16, fp32) or MKL (fp32) where `pack` says so (serve/packed.py). `FusedDecoder.check` compares it with
 transformers' forward at load on a short prompt, for the base and each adapter; a model it does not cover, or
 one that disagrees, is served by transformers' forward."""
 

@@ -77,7 +77,7 @@ class Backend:
         self.tok, self.precision = tok, dtype
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         self.model = model.to(device, torch_dtype).eval()
-        # on a CPU the weights are packed once for oneDNN (bf16) or MKL (fp32): serve/packed.py
+        # on a CPU the weights are packed once for oneDNN (bf16, fp32; MKL for fp32 where oneDNN is missing)
         self.pack, self.pack_note = packing(device, torch_dtype), ""
         if self.pack == MKL:
             fits, self.pack_note = mkl_fits(self.model, _free_bytes(device))

@@ -7,13 +7,20 @@ a whole decode step 1.11x / 1.24x / 1.19x faster at batch 1 / 8 / 32 (`benchmark
 interleaved in one process), bitwise equal to `F.linear` for a contiguous input (tests/test_packed.py). The
 plain weight is dropped.
 
-fp32, MKL: MKL's GEMM likewise packs the weight on every call. Packed once (`cblas_sgemm_pack`, through
-PyTorch's `mkl::_mkl_linear`), SmolLM2's 151 products summed 1.3-2.2x faster from 4 rows up (22 against 47 ms
-at 8 rows, 46 against 74 at 32; 0.9x at 1-3 rows, so those still run `F.linear` on the plain weight, which is
-kept), bitwise equal to `F.linear` at the same rows; a decode step of the fused decoder 1.38x / 1.23x faster
-at batch 8 / 32 and the same at 1. The price is memory: MKL's packed copy is 2-9x the weight (2.0 GB beside
-SmolLM2-135M's 0.54 GB of fp32 linears), so `mkl_fits` packs only what takes under a quarter of the free memory.
-The copy does not depend on the row count it was packed for (tests/test_packed.py checks 1-40 rows).
+fp32, oneDNN as well: the same reorder, into its AVX-512 fp32 layout. Over SmolLM2's 151 products (weights
+rotated so that none stays in cache; 2 cores of an AMD EPYC, Zen 5 with AVX-512 and no AMX; 2026-12-02) it
+took 20 / 19 / 26 / 38 ms at 1 / 4 / 8 / 32 rows, against 41 / 59 / 63 / 108 for `F.linear` (MKL's GEMM,
+which packs the weight on every call) and 29 / 68 / 66 / 109 for MKL's own packed GEMM (`cblas_sgemm_pack`,
+through `mkl::_mkl_linear`), in fp32 arithmetic (2e-6 from `F.linear`, which sums in another order: bf16's
+packed product is bitwise `F.linear`'s, fp32's is not), and with no copy beside the weight. A row's result
+does not depend on the rows beside it, but for one row against a 1536-wide input (its product then takes
+another path): within 4e-6, not the same bits.
+
+MKL's packed GEMM is the fallback where this PyTorch has no oneDNN: its packed copy is 2-9x the weight (2.0 GB
+beside SmolLM2-135M's 0.54 GB of fp32 linears), so `mkl_fits` packs only what takes under a quarter of the
+free memory, and below 4 rows (0.9x `F.linear` there) the plain weight, kept, serves; the copy does not
+depend on the row count it was packed for (tests/test_packed.py checks 1-40 rows). It matched `F.linear`
+bitwise on a Xeon host, and within 1e-6 on an AMD EPYC one (MKL picks its kernel by the CPU it finds).
 
 This is what `ipex.optimize` and inductor's freezing pass do. IPEX is retired, and torch.compile took six
 minutes to compile SmolLM2-135M on this machine for a smaller gain (60-76 ms per batch-32 bf16 step, against
@@ -43,23 +50,31 @@ def packing(device: torch.device | str, dtype: torch.dtype) -> str | None:
     """Which packing this PyTorch build has for linears of `dtype` on `device`: ONEDNN, MKL or None."""
     if torch.device(device).type != "cpu":
         return None
-    try:
-        if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-            ops = torch.ops.mkldnn
-            if ops._is_mkldnn_bf16_supported() and all(
-                hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise")
-            ):
-                return ONEDNN
-        mkl_ops = ("_mkl_reorder_linear_weight", "_mkl_linear")
-        if (
-            dtype == torch.float32
-            and torch.backends.mkl.is_available()
-            and all(hasattr(torch.ops.mkl, op) for op in mkl_ops)
-        ):
-            return MKL
-    except (AttributeError, RuntimeError):
-        pass
+    if onednn_packs(dtype):
+        return ONEDNN
+    if dtype == torch.float32 and mkl_packs():
+        return MKL
     return None
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    try:
+        ops = torch.ops.mkldnn
+        if not torch.backends.mkldnn.is_available() or dtype not in (torch.bfloat16, torch.float32):
+            return False
+        if dtype == torch.bfloat16 and not ops._is_mkldnn_bf16_supported():
+            return False
+        return all(hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def mkl_packs() -> bool:
+    try:
+        mkl_ops = ("_mkl_reorder_linear_weight", "_mkl_linear")
+        return torch.backends.mkl.is_available() and all(hasattr(torch.ops.mkl, op) for op in mkl_ops)
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @functools.lru_cache(maxsize=64)
@@ -138,14 +153,14 @@ def pack_linears(model: nn.Module, kind: str) -> tuple[int, int]:
     peft calls the base layer it wraps as a module, so a packed base serves every adapter. Bytes added: MKL's
     packed copies; for oneDNN, a weight that another module still holds (an output layer tied to the
     embedding), now held twice."""
-    dtype = {ONEDNN: torch.bfloat16, MKL: torch.float32}[kind]
+    dtypes = {ONEDNN: (torch.bfloat16, torch.float32), MKL: (torch.float32,)}[kind]
     held = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
     packed = added = 0
     for name, parent in list(model.named_modules()):
         if "lora_" in name:
             continue
         for child_name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.weight.dtype != dtype:
+            if type(child) is not nn.Linear or child.weight.dtype not in dtypes:
                 continue
             layer = PackedLinear(child, kind)
             setattr(parent, child_name, layer)
