@@ -1,6 +1,6 @@
 """The fused Llama-family forward (serve/decoder.py) against transformers' own, on tiny models built from configs:
-Llama (grouped-query), Qwen2 (biases on q/k/v), Mistral; fp32 and bf16, packed for MKL (fp32) and oneDNN (bf16)
-where this CPU can. What it does not cover, and a fused forward that disagrees at load, fall back to transformers'."""
+Llama (grouped-query), Qwen2 (biases on q/k/v), Mistral; fp32 and bf16, packed as `gpuwise serve` packs them
+where this CPU can (oneDNN; MKL for fp32 where oneDNN is missing). What it does not cover, and a fused forward that disagrees at load, fall back to transformers'."""
 
 import copy
 
@@ -51,7 +51,7 @@ def test_the_fused_forward_gives_transformers_logits(kind, dtype):
     off = float((got - expected).abs().max() / expected.abs().max())
     assert off <= fused.TOLERANCE[dtype], off
     # packed for oneDNN: the plain weights of the fused layers are dropped (nothing is held twice but a tied
-    # output layer); for MKL they stay, for products of few rows, and the packed copies are counted
+    # output layer); for MKL (the fp32 fallback) they stay, for products of few rows, and its copies are counted
     layer = model.model.layers[0]
     assert isinstance(layer.self_attn.q_proj, fused.Moved) == (pack == ONEDNN)
     products, added = decoder.packed()

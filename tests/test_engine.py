@@ -78,13 +78,14 @@ def engine(model, tok, **kw) -> Engine:
 )
 def test_greedy_equals_generate_alone_in_a_full_batch_and_when_joining_midway(tiny, fused, prefix):
     """With a prefix cache every prompt after the first pass is found in it, all but its last token. Packed:
-    the fused decoder's products packed for MKL (serve/packed.py) from 4 rows up, F.linear below."""
+    the fused decoder's fp32 products packed as `gpuwise serve` packs them (serve/packed.py: oneDNN, or MKL
+    where oneDNN is missing); its decode steps' attention by serve/attention.py's kernel where it builds."""
     from gpuwise.serve.decoder import FusedDecoder
     from gpuwise.serve.engine import EngineStats
     from gpuwise.serve.packed import packing
 
     if fused == "packed" and packing("cpu", torch.float32) is None:
-        pytest.skip("this PyTorch build has no MKL packed product")
+        pytest.skip("this PyTorch build packs no fp32 product")
 
     model, tok, texts = tiny
     prompts = [" ".join(t.split()[: 2 + i]) for i, t in enumerate(texts[:8])]  # 2 to 9 words: ragged

@@ -233,8 +233,8 @@ def test_a_model_directory_is_served_with_its_chat_template_and_its_plan(model_d
     assert llm.engine.cache.bytes_per_token() == llm.planned_kv_bytes_per_token() == 2 * 2 * 1 * 16 * width
     assert "budget" in llm.plan() and "KiB per token" in llm.plan()
     assert "prefix cache 4,096 prompt tokens" in llm.plan()
-    # a Llama: the fused decoder serves it; on a CPU its products are packed, for oneDNN in bf16 and for MKL in
-    # fp32 (2 layers x q/k/v, o, gate/up and down, and the output layer)
+    # a Llama: the fused decoder serves it; on a CPU its products are packed, for oneDNN (for MKL in fp32 where
+    # oneDNN is missing): 2 layers x q/k/v, o, gate/up and down, and the output layer
     assert "forward: gpuwise's fused decoder" in llm.plan()
     kind = packing("cpu", {"fp32": torch.float32, "bf16": torch.bfloat16}[llm.precision])
     assert (f"9 weight matrices packed for {kind}" in llm.plan()) == (kind is not None)

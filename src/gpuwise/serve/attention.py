@@ -6,11 +6,11 @@ many queries against many keys. A decode step has one query per sequence (three 
 SmolLM2's grouped queries), and there it spent 0.6 ms a layer at batch 32 on 2 AMD EPYC cores (Zen 5,
 AVX-512), 35 % of a bf16 decode step (51 ms; 33 ms with attention left out). The kernel takes a sequence at a
 time: each position's keys and values, every head's, are contiguous in the cache and read once, for all the
-query heads that share them, into fp32 registers. On the same calls it ran 3.5-3.9x SDPA's speed at batch 32
-in bf16, 1.7-3.6x in fp32, 1.1-2.2x at batch 1 (`benchmarks/decode_attention.py`), and a bf16 decode step of
-SmolLM2 at batch 32 took 47 ms against 59 (the same process, interleaved). It is within one rounding of fp32
-attention (tests/test_decode_attention.py). No library offers this for PyTorch's CPU tensors: IPEX, which had
-one, is retired.
+query heads that share them, into fp32 registers. On the same calls it ran 3.0-3.9x SDPA's speed at batch
+32 in bf16, 2.0-2.4x in fp32, 0.94-1.45x at batch 1 (`benchmarks/decode_attention.py`), and a bf16 decode
+step of SmolLM2 at batch 32 took 46.6 ms against 59.1 (67-97-token sequences, one process, interleaved). It
+is within one rounding of fp32 attention (tests/test_decode_attention.py). No library offers this for
+PyTorch's CPU tensors: IPEX, which had one, is retired.
 
 Built with the system's C++ compiler against PyTorch's own headers and libraries (about 2 s; its parallel
 loop runs on PyTorch's thread pool), cached under gpuwise's cache directory by a hash of the source, the flags
