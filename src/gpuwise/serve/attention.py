@@ -24,6 +24,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -115,8 +116,9 @@ def load() -> tuple[DecodeAttention | None, str]:
         return None, "GPUWISE_KERNELS=0"
     if not _avx512():
         return None, f"this CPU's PyTorch dispatch level is {torch.backends.cpu.get_cpu_capability()}, not AVX-512"
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
+    found = shutil.which("g++") or shutil.which("c++")
+    compiler = shlex.split(os.environ.get("CXX", "")) or ([found] if found else [])  # CXX may be "ccache g++"
+    if not compiler:
         return None, "no C++ compiler (g++) to build it with"
     from torch.utils import cpp_extension
 
@@ -125,7 +127,7 @@ def load() -> tuple[DecodeAttention | None, str]:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     links = [f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join([compiler, *FLAGS, abi, torch.__version__]).encode()
+        SOURCE.read_bytes() + " ".join([*compiler, *FLAGS, abi, torch.__version__]).encode()
     ).hexdigest()[:16]
     path = _cache_dir() / f"decode_attention-{key}.so"
     if not path.exists():
@@ -133,7 +135,7 @@ def load() -> tuple[DecodeAttention | None, str]:
         # built beside its final name and renamed into place: two servers starting at once never load half a file
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             built = Path(tmp) / path.name
-            cmd = [compiler, *FLAGS, abi, *includes, str(SOURCE), "-o", str(built), *links]
+            cmd = [*compiler, *FLAGS, abi, *includes, str(SOURCE), "-o", str(built), *links]
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             except (OSError, subprocess.TimeoutExpired) as e:
