@@ -42,8 +42,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 class DecodeAttention:
     """The loaded kernel: `__call__(q, keys, values, lens)` for q [n, H, D] and one layer's cache view."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path):
-        self.path = path
+    def __init__(self, lib: ctypes.CDLL):
         self.fn = lib.gpuwise_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self.fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, *[i64] * 11, ctypes.c_float]
@@ -149,4 +148,4 @@ def load() -> tuple[DecodeAttention | None, str]:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         return None, f"loading it failed: {e}"
-    return DecodeAttention(lib, path), f"gpuwise's AVX-512 decode attention ({path.name})"
+    return DecodeAttention(lib), f"gpuwise's AVX-512 decode attention ({path.name})"
