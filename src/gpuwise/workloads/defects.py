@@ -201,8 +201,19 @@ def to_tensor(images: np.ndarray) -> torch.Tensor:
 # +-JITTER. Each cost accuracy and ROC-AUC here.
 SOFT_TARGETS = False
 JITTER = 0.0
+CROP = 0.0  # a random square crop of side (1 - CROP .. 1) x the image, resized back
 # On (the default): the CNN's convolutions are `WSConv2d`; off, plain ones, as before 2026-12-02.
 WEIGHT_STANDARDIZATION = True
+
+
+def _crop(im: np.ndarray, r: np.random.Generator) -> np.ndarray:
+    from PIL import Image
+
+    size = im.shape[0]
+    side = int(round(size * r.uniform(1 - CROP, 1)))
+    y, x = (int(v) for v in r.integers(0, size - side + 1, size=2))
+    patch = np.ascontiguousarray(im[y : y + side, x : x + side])
+    return np.asarray(Image.fromarray(patch).resize((size, size), Image.Resampling.BILINEAR))
 
 
 def augment(images: np.ndarray, indices, seed: int, epoch: int) -> np.ndarray:
@@ -217,6 +228,8 @@ def augment(images: np.ndarray, indices, seed: int, epoch: int) -> np.ndarray:
         if JITTER:
             c, b = r.uniform(1 - JITTER, 1 + JITTER), r.uniform(-JITTER, JITTER) * 128
             im = np.clip((im.astype(np.float32) - 128) * c + 128 + b, 0, 255).astype(np.uint8)
+        if CROP:
+            im = _crop(im, r)
         out.append(im)
     return np.ascontiguousarray(np.stack(out))
 
