@@ -18,6 +18,8 @@ def test_quick_cpu_bench_json_and_chart(capsys, tmp_path):
     assert set(cpu["workloads"]) == {"defects", "recommender", "product-lm"}
     assert all(w["samples_per_s"] > 0 for w in cpu["workloads"].values())
     assert cpu["workloads"]["product-lm"]["tokens_per_s"] > 0
+    # each step with counted FLOPs timed at a second batch: seconds per step and a share of peak beyond it
+    assert all(w["s_per_step"] > 0 and 0 < w["flop_fraction"] < 1 for w in cpu["workloads"].values())
     # No GPU here: the GPU side is projected, labelled so, and never under "devices".
     assert all(p["projected"] for p in res["projections"].values())
     assert all("(projected)" in k for k in res["speedup"])
@@ -34,3 +36,22 @@ def test_bad_device_is_one_line(capsys, device, needle):
     assert main(["bench", "--device", device]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_two_batch_sizes_split_the_step_into_a_part_per_step_and_a_part_per_flop():
+    """A step of 10 ms plus 1 TFLOP at 40 % of a 10 TFLOP/s peak: timed at 4e10 and 1e10 FLOPs, the split
+    gives back the 10 ms and the 40 % exactly, and a plan at 2e10 FLOPs adds them up."""
+    from gpuwise.bench.run import per_step_split
+    from gpuwise.train.measure import planned_step_time
+
+    def step(flops):
+        return {"flops_per_step": flops, "step_s": 0.010 + flops / (10e12 * 0.4), "batch": int(flops / 1e9)}
+
+    split = per_step_split(step(4e10), step(1e10), 10.0)
+    assert split["s_per_step"] == pytest.approx(0.010) and split["flop_fraction"] == pytest.approx(0.4)
+    planned = split["s_per_step"] + planned_step_time(2e10, 10e12, 1, split["flop_fraction"])
+    assert planned == pytest.approx(step(2e10)["step_s"])
+    # no usable line: the larger batch faster, or a negative part per step; no peak to share
+    assert per_step_split(step(4e10) | {"step_s": 0.001}, step(1e10), 10.0) == {}
+    assert per_step_split(step(4e10) | {"step_s": 0.01}, step(1e10) | {"step_s": 0.0}, 10.0) == {}
+    assert per_step_split(step(4e10), step(1e10), None) == {}

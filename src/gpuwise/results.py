@@ -300,6 +300,13 @@ class WorkloadBench(Result):
     tokens_per_s: Number | None = Field(None, description="tokens per second (language models)")
     s_per_sample: Number | None = Field(None, description="step seconds per sample (steps without counted FLOPs)")
     s_per_param: Number | None = Field(None, description="step seconds per parameter (steps without counted FLOPs)")
+    s_per_step: Number | None = Field(
+        None, description="step seconds whatever the batch, from a second timed batch (steps with counted FLOPs)"
+    )
+    flop_fraction: Number | None = Field(
+        None, description="share of peak the FLOPs beyond s_per_step run at (steps with counted FLOPs)"
+    )
+    small_batch: int | None = Field(None, description="the second, smaller batch timed for s_per_step")
     fraction_of_peak: Number | None = Field(None, description="achieved / dense peak at the step's precision")
 
 

@@ -114,9 +114,11 @@ def bench(
         for r in result.devices.values():  # what plan and train use for this device from now on
             fractions = {f"matmul.{k}": m.fraction_of_peak for k, m in r.matmul.items()}
             fractions |= {f"workload.{k}": w.fraction_of_peak for k, w in r.workloads.items() if w.tflops}
-            # A step torch counts no FLOPs in (embedding lookups) is timed per sample and per parameter.
+            # A step torch counts no FLOPs in (embedding lookups) is timed per sample and per parameter;
+            # one it counts FLOPs in, per step and per FLOP.
             for k, w in r.workloads.items():
-                timed = {"s_per_sample": w.s_per_sample, "s_per_param": w.s_per_param}
+                timed = {"s_per_sample": w.s_per_sample, "s_per_param": w.s_per_param, "s_per_step": w.s_per_step}
+                timed["flop_fraction"] = w.flop_fraction
                 fractions |= {f"workload.{k}.{u}": v for u, v in timed.items() if v is not None}
             rundb.calibrate(r.key, fractions, result.record_id)
     try:

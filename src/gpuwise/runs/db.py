@@ -134,8 +134,8 @@ def _usable(value) -> bool:
 
 def calibration(device: str, key: str, path: Path | None = None) -> tuple[float, str] | None:
     """(value, origin) measured by gpuwise bench for this device, or None. The value is a fraction of
-    peak, except under keys ending in `.s_per_sample` and `.s_per_param` (seconds of a workload's step
-    per sample and per trainable parameter)."""
+    peak, except under keys ending in `.s_per_sample`, `.s_per_param` and `.s_per_step` (seconds of a
+    workload's step per sample, per trainable parameter and per step)."""
     target = Path(path) if path else default_path()
     if not target.exists():
         return None

@@ -110,6 +110,18 @@ def timed_step(device: str, workload: str, samples: int, params: int) -> tuple[f
     return per_sample[0] * samples + per_param[0] * params, per_sample[1].replace(".s_per_sample", "")
 
 
+def per_step_part(device: str, workload: str) -> tuple[float, float, str] | None:
+    """(seconds per step, share of peak of the FLOPs beyond it, origin) where `gpuwise bench` timed this
+    workload's step at two batch sizes on this device; None before that."""
+    from gpuwise.runs.db import calibration
+
+    fixed = calibration(device, f"workload.{workload}.s_per_step")
+    marginal = calibration(device, f"workload.{workload}.flop_fraction")
+    if not (fixed and marginal):
+        return None
+    return fixed[0], marginal[0], fixed[1].replace(".s_per_step", "")
+
+
 def planned_step_time(flops_per_step: float, peak: float | None, processes: int, efficiency: float) -> float | None:
     return flops_per_step / (peak * efficiency * processes) if peak else None
 
@@ -118,8 +130,9 @@ def step_time_plan(
     device: str, workload: str, flops: float, peak: float | None, processes: int, samples: int, params: int, prepare
 ) -> dict:
     """The planned step time and what it rests on: counted FLOPs over the peak at the (calibrated)
-    efficiency; where torch counts no FLOPs, bench's seconds per sample and per parameter; plus the
-    time `prepare()` takes to build one batch, timed here rather than estimated."""
+    efficiency, after bench's seconds per step where it timed two batch sizes; where torch counts no
+    FLOPs, bench's seconds per sample and per parameter; plus the time `prepare()` takes to build one
+    batch, timed here rather than estimated."""
     efficiency, origin = step_efficiency(device, workload)
     plan: dict[str, Any] = {
         "step_time_s": planned_step_time(flops, peak, processes, efficiency) if flops else None,
@@ -127,6 +140,12 @@ def step_time_plan(
         "efficiency_origin": origin,
         "time_method": "FLOPs / (peak x efficiency)",
     }
+    split = per_step_part(device, workload) if flops and peak else None
+    if split:
+        fixed, marginal, split_origin = split
+        plan |= {"efficiency": marginal, "efficiency_origin": f"{split_origin}, at two batch sizes"}
+        plan["step_time_s"] = fixed + planned_step_time(flops, peak, processes, marginal)
+        plan["time_method"] = f"{fixed * 1e3:.1f} ms per step + FLOPs / (peak x efficiency)"
     timed = None if flops else timed_step(device, workload, samples, params)
     if timed:
         plan |= {"step_time_s": timed[0], "efficiency": None, "efficiency_origin": None, "time_origin": timed[1]}
