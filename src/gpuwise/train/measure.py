@@ -141,10 +141,10 @@ def step_time_plan(
         "time_method": "FLOPs / (peak x efficiency)",
     }
     split = per_step_part(device, workload) if flops and peak else None
-    if split:
+    if split and peak:
         fixed, marginal, split_origin = split
         plan |= {"efficiency": marginal, "efficiency_origin": f"{split_origin}, at two batch sizes"}
-        plan["step_time_s"] = fixed + planned_step_time(flops, peak, processes, marginal)
+        plan["step_time_s"] = fixed + flops / (peak * marginal * processes)
         plan["time_method"] = f"{fixed * 1e3:.1f} ms per step + FLOPs / (peak x efficiency)"
     timed = None if flops else timed_step(device, workload, samples, params)
     if timed:
