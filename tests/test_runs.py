@@ -54,13 +54,16 @@ def test_bench_calibration_is_used_by_plan_and_train_and_said(capsys, tmp_path):
 
     from gpuwise.train.measure import device_key
 
-    db.calibrate(device_key("cpu"), {"workload.defects": 0.33}, rid)
+    # keyed by precision: a share measured at bf16 plans no fp32 run
+    db.calibrate(device_key("cpu"), {"workload.defects@bf16-mixed": 0.33}, rid)
     cells = image_folder(tmp_path / "cells", per_class=8)
-    args = f"train defects --data {cells} --image-size 32 --batch-size 8 --max-steps 2 --run-dir {tmp_path / 'r'}"
-    args += " --json"
-    assert main(args.split()) == 0
+    args = f"train defects --data {cells} --image-size 32 --batch-size 8 --max-steps 2 --precision bf16-mixed --json"
+    assert main([*args.split(), "--run-dir", str(tmp_path / "r")]) == 0
     plan = json.loads(capsys.readouterr().out)["plan"]
     assert plan["efficiency"] == 0.33 and plan["efficiency_origin"].startswith("measured by gpuwise bench")
+    assert main([*args.replace("bf16-mixed", "32-true").split(), "--run-dir", str(tmp_path / "r2")]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["efficiency"] == 0.462 and "PaLM" in plan["efficiency_origin"]
 
 
 def test_db_flag_and_unwritable_record(capsys, tmp_path):

@@ -264,3 +264,10 @@ def test_what_runs_paused_is_left_out_of_the_training_peak():
     peak = mem.read()
     del step
     assert peak is not None and 90e6 < peak < 250e6
+
+
+def test_a_bf16_true_run_trains_and_plans(cells, tmp_path):
+    """bf16 weights: the planning probe, which runs the unwrapped model, gets its inputs in bf16 as the steps do
+    (it crashed on fp32 images against bf16 kernels before)."""
+    s = small_run(cells, tmp_path / "r", max_steps=2, precision="bf16-true")
+    assert s["precision"] == "bf16-true" and s["plan"]["peak_bytes"] > 0 and len(losses(tmp_path / "r")) == 2

@@ -132,6 +132,11 @@ def _usable(value) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
+def workload_key(workload: str, precision: str) -> str:
+    """Where bench's timing of a workload's step at one precision is kept, e.g. workload.defects@bf16-mixed."""
+    return f"workload.{workload}@{precision}"
+
+
 def calibration(device: str, key: str, path: Path | None = None) -> tuple[float, str] | None:
     """(value, origin) measured by gpuwise bench for this device, or None. The value is a fraction of
     peak, except under keys ending in `.s_per_sample`, `.s_per_param` and `.s_per_step` (seconds of a

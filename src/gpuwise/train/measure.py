@@ -89,34 +89,37 @@ def device_key(accelerator: str, device_index: int = 0) -> str:
     return accelerator
 
 
-def step_efficiency(device: str, workload: str) -> tuple[float, str]:
-    """The share of peak this workload's step reached in `gpuwise bench` on this device, else the default."""
-    from gpuwise.runs.db import calibration
+def step_efficiency(device: str, workload: str, precision: str) -> tuple[float, str]:
+    """The share of peak this workload's step reached in `gpuwise bench` on this device at this precision,
+    else the default."""
+    from gpuwise.runs.db import calibration, workload_key
 
-    found = calibration(device, f"workload.{workload}")
+    found = calibration(device, workload_key(workload, precision))
     return found or (EFFICIENCY.value, EFFICIENCY.origin)
 
 
-def timed_step(device: str, workload: str, samples: int, params: int) -> tuple[float, str] | None:
+def timed_step(device: str, workload: str, precision: str, samples: int, params: int) -> tuple[float, str] | None:
     """Seconds per step from what `gpuwise bench` timed on this device, a part per sample and a part
     per trainable parameter: the time model for a step torch counts no FLOPs in (a ranking model's
     embedding lookups and dot products). None before bench has run here."""
-    from gpuwise.runs.db import calibration
+    from gpuwise.runs.db import calibration, workload_key
 
-    per_sample = calibration(device, f"workload.{workload}.s_per_sample")
-    per_param = calibration(device, f"workload.{workload}.s_per_param")
+    key = workload_key(workload, precision)
+    per_sample = calibration(device, f"{key}.s_per_sample")
+    per_param = calibration(device, f"{key}.s_per_param")
     if not (per_sample and per_param):
         return None
     return per_sample[0] * samples + per_param[0] * params, per_sample[1].replace(".s_per_sample", "")
 
 
-def per_step_part(device: str, workload: str) -> tuple[float, float, str] | None:
+def per_step_part(device: str, workload: str, precision: str) -> tuple[float, float, str] | None:
     """(seconds per step, share of peak of the FLOPs beyond it, origin) where `gpuwise bench` timed this
-    workload's step at two batch sizes on this device; None before that."""
-    from gpuwise.runs.db import calibration
+    workload's step at two batch sizes on this device at this precision; None before that."""
+    from gpuwise.runs.db import calibration, workload_key
 
-    fixed = calibration(device, f"workload.{workload}.s_per_step")
-    marginal = calibration(device, f"workload.{workload}.flop_fraction")
+    key = workload_key(workload, precision)
+    fixed = calibration(device, f"{key}.s_per_step")
+    marginal = calibration(device, f"{key}.flop_fraction")
     if not (fixed and marginal):
         return None
     return fixed[0], marginal[0], fixed[1].replace(".s_per_step", "")
@@ -127,26 +130,34 @@ def planned_step_time(flops_per_step: float, peak: float | None, processes: int,
 
 
 def step_time_plan(
-    device: str, workload: str, flops: float, peak: float | None, processes: int, samples: int, params: int, prepare
+    device: str,
+    workload: str,
+    precision: str,
+    flops: float,
+    peak: float | None,
+    processes: int,
+    samples: int,
+    params: int,
+    prepare,
 ) -> dict:
     """The planned step time and what it rests on: counted FLOPs over the peak at the (calibrated)
     efficiency, after bench's seconds per step where it timed two batch sizes; where torch counts no
     FLOPs, bench's seconds per sample and per parameter; plus the time `prepare()` takes to build one
     batch, timed here rather than estimated."""
-    efficiency, origin = step_efficiency(device, workload)
+    efficiency, origin = step_efficiency(device, workload, precision)
     plan: dict[str, Any] = {
         "step_time_s": planned_step_time(flops, peak, processes, efficiency) if flops else None,
         "efficiency": efficiency,
         "efficiency_origin": origin,
         "time_method": "FLOPs / (peak x efficiency)",
     }
-    split = per_step_part(device, workload) if flops and peak else None
+    split = per_step_part(device, workload, precision) if flops and peak else None
     if split and peak:
         fixed, marginal, split_origin = split
         plan |= {"efficiency": marginal, "efficiency_origin": f"{split_origin}, at two batch sizes"}
         plan["step_time_s"] = fixed + flops / (peak * marginal * processes)
         plan["time_method"] = f"{fixed * 1e3:.1f} ms per step + FLOPs / (peak x efficiency)"
-    timed = None if flops else timed_step(device, workload, samples, params)
+    timed = None if flops else timed_step(device, workload, precision, samples, params)
     if timed:
         plan |= {"step_time_s": timed[0], "efficiency": None, "efficiency_origin": None, "time_origin": timed[1]}
         plan["time_method"] = f"s/sample x samples + s/parameter x parameters ({timed[1]})"

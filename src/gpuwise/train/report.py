@@ -136,8 +136,8 @@ def render(console: Console, summary: TrainSummary | dict) -> None:
     if plan.efficiency_origin == EFFICIENCY.origin and s.device.startswith("cpu"):
         # a published GPU figure says little of a CPU's step: the plan's time is a guess until bench has run
         console.print(
-            "step time: planned at a GPU's published efficiency, not calibrated on this CPU; "
-            "`gpuwise bench --quick` calibrates it for the next run"
+            f"step time: planned at a GPU's published efficiency, not calibrated on this CPU at {s.precision}; "
+            "`gpuwise bench --quick` calibrates it for the next run at the precision --precision auto picks"
         )
     if s.projection:
         t = Table(

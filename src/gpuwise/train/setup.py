@@ -193,7 +193,9 @@ def fit_and_plan(run: Run, forward_backward: Callable[[int, int], float]) -> Non
     cfg, fabric, work, raw = run.cfg, run.fabric, run.work, run.raw
     rng = rng_state()
     probe_n = min(run.share, 4)
-    flops, saved = measure.probe_step(raw, work.loss, fabric.to_device(work.make_batch(list(range(probe_n)), 0)))
+    # The raw module skips Fabric's input conversion, which bf16-true / 16-true weights need: do it here.
+    probe_batch = fabric.strategy.precision.convert_input(fabric.to_device(work.make_batch(list(range(probe_n)), 0)))
+    flops, saved = measure.probe_step(raw, work.loss, probe_batch)
     flops_per_sample, saved_per_sample = flops / probe_n, saved / probe_n
     states = measure.state_bytes(raw)
 
@@ -221,6 +223,7 @@ def fit_and_plan(run: Run, forward_backward: Callable[[int, int], float]) -> Non
     plan |= measure.step_time_plan(
         run.device_key,
         cfg.workload,
+        run.precision,
         run.flops_per_step,
         run.peak,
         run.world,
