@@ -55,3 +55,20 @@ def test_two_batch_sizes_split_the_step_into_a_part_per_step_and_a_part_per_flop
     assert per_step_split(step(4e10) | {"step_s": 0.001}, step(1e10), 10.0) == {}
     assert per_step_split(step(4e10) | {"step_s": 0.01}, step(1e10) | {"step_s": 0.0}, 10.0) == {}
     assert per_step_split(step(4e10), step(1e10), None) == {}
+
+
+def test_bench_precision_calibrates_that_precision(capsys, tmp_path, monkeypatch):
+    """`--precision 32-true` times the steps in fp32 and stores them under that precision, which an fp32 run
+    then plans with; a precision bench cannot time is refused in one line."""
+    from gpuwise.runs import db
+    from gpuwise.train.measure import device_key, per_step_part
+
+    monkeypatch.setenv("GPUWISE_DB", str(tmp_path / "runs.sqlite"))
+    args = ["bench", "--device", "cpu", "--quick", "--workload", "defects", "--out", str(tmp_path / "b"), "--json"]
+    assert main([*args, "--precision", "32-true"]) == 0
+    assert json.loads(capsys.readouterr().out)["devices"]["cpu"]["workloads"]["defects"]["precision"] == "32-true"
+    assert db.calibration(device_key("cpu"), "workload.defects@32-true") is not None
+    assert per_step_part(device_key("cpu"), "defects", "32-true") is not None
+    assert db.calibration(device_key("cpu"), "workload.defects@bf16-mixed") is None
+    assert main([*args, "--precision", "bf16-true"]) == 2
+    assert "--precision bf16-true: must be one of auto, 32-true, bf16-mixed" in capsys.readouterr().err

@@ -251,5 +251,7 @@ def test_the_summary_says_when_the_step_time_plan_is_uncalibrated():
         render(con, {**OLD_SUMMARY, "plan": plan})
         return con.file.getvalue()
 
-    assert "not calibrated on this CPU at 32-true; `gpuwise bench --quick` calibrates it" in text(EFFICIENCY.origin)
+    assert "not calibrated on this CPU at 32-true; `gpuwise bench --quick --precision 32-true` calibrates it" in text(
+        EFFICIENCY.origin
+    )
     assert "not calibrated" not in text("measured by gpuwise bench on cpu:X (workload.recommender, record #1)")

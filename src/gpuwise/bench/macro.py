@@ -14,16 +14,23 @@ from gpuwise.plan.optim import adamw
 from gpuwise.workloads.registry import get
 
 
-def throughput(name: str, device: torch.device, steps: int, min_time: float = 0.0, batch: int | None = None) -> dict:
+def throughput(
+    name: str,
+    device: torch.device,
+    steps: int,
+    min_time: float = 0.0,
+    batch: int | None = None,
+    precision: str = "auto",
+) -> dict:
     """At least `steps` timed steps and at least `min_time` seconds of them: a millisecond step
-    needs many to give a stable median."""
+    needs many to give a stable median. `precision`: auto (what `gpuwise train` picks), 32-true or bf16-mixed."""
     from torch.utils.flop_counter import FlopCounterMode
 
     torch.manual_seed(0)
     model, loss_fn, samples, tokens = get(name).bench_step(device, batch)
     opt = adamw(model.parameters(), 1e-4, device.type)  # as gpuwise train's step
     # What `gpuwise train` picks there, so that the efficiency bench calibrates is the one train runs at.
-    bf16 = computes_bf16(device.type, device.index or 0)
+    bf16 = computes_bf16(device.type, device.index or 0) if precision == "auto" else precision == "bf16-mixed"
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):

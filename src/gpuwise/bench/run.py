@@ -94,7 +94,12 @@ def per_step_split(large: dict, small: dict, peak_tflops: float | None) -> dict:
 
 
 def measure_device(
-    device: torch.device, catalog: Catalog, size: str, progress=lambda msg: None, workloads: list[str] | None = None
+    device: torch.device,
+    catalog: Catalog,
+    size: str,
+    progress=lambda msg: None,
+    workloads: list[str] | None = None,
+    precision: str = "auto",
 ) -> dict:
     """Matmul per dtype, bandwidth, host <-> device copies, and a training step of each workload named
     (default: every workload installed)."""
@@ -117,19 +122,19 @@ def measure_device(
         out["host_device"] = hd | {"fraction_of_peak": _share(hd["h2d_gbs"], link), "peak_origin": origin}
     for name in workload_names() if workloads is None else workloads:
         progress(f"{device}: {name} training step")
-        w = macro.throughput(name, device, steps, min_time)
+        w = macro.throughput(name, device, steps, min_time, precision=precision)
         key = "bf16_tflops" if w["precision"] == "bf16-mixed" else "fp32_tflops"
         if w["flops_per_step"] and w["batch"] >= 4:
             # A second, 4x smaller batch splits the step into a part per step (the optimizer, the weights'
             # own transforms, the loop's fixed costs) and a part per FLOP: one share of peak alone plans a
             # run at another batch size too fast (measured: a defects step at batch 16 planned 19 % short).
-            small = macro.throughput(name, device, steps, min_time, batch=w["batch"] // 4)
+            small = macro.throughput(name, device, steps, min_time, batch=w["batch"] // 4, precision=precision)
             w |= per_step_split(w, small, peak.get(key))
         if not w["flops_per_step"]:
             # No FLOPs to scale by (embedding lookups): a second, 4x larger batch splits the step into a
             # part per step (dense embedding gradients, clipping, AdamW over every row: per parameter)
             # and a part per sample, so a plan for another batch size or catalogue size holds.
-            large = macro.throughput(name, device, steps, min_time, batch=w["batch"] * 4)
+            large = macro.throughput(name, device, steps, min_time, batch=w["batch"] * 4, precision=precision)
             slope = max(0.0, (large["step_s"] - w["step_s"]) / (large["batch"] - w["batch"]))
             w |= {"s_per_sample": slope, "s_per_param": (w["step_s"] - slope * w["batch"]) / w["params"]}
         out["workloads"][name] = w | {"fraction_of_peak": _share(w["tflops"], peak.get(key)) if w["tflops"] else None}
@@ -182,6 +187,7 @@ def run_bench(
     catalog: Catalog,
     progress: Callable[[str], object] = lambda msg: None,
     workloads: list[str] | None = None,
+    precision: str = "auto",
 ) -> BenchResult:
     devices = parse_devices(device_spec)
     size = "quick" if quick else "full"
@@ -192,7 +198,7 @@ def run_bench(
         "devices": {},
     }
     for dev in devices:
-        result["devices"][str(dev)] = measure_device(dev, catalog, size, progress, workloads)
+        result["devices"][str(dev)] = measure_device(dev, catalog, size, progress, workloads, precision)
     if "cpu" in result["devices"] and len(result["devices"]) > 1:
         cpu = result["devices"]["cpu"]
         result["speedup"] = {d: speedups(cpu, r) for d, r in result["devices"].items() if d != "cpu"}

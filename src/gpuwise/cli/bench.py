@@ -64,6 +64,9 @@ def render(con: Console, result: BenchResult | dict) -> None:
         con.print("[dim]projected, not measured (no GPU here): " + "; ".join(sorted(bases)) + "[/]")
 
 
+BENCH_PRECISIONS = ("auto", "32-true", "bf16-mixed")
+
+
 def bench(
     device: Annotated[str, typer.Option(help="cpu, cuda:N, or all (every device here).")] = "all",
     quick: Annotated[bool, typer.Option("--quick", help="Smaller sizes: under a minute on 2 CPU cores.")] = False,
@@ -72,6 +75,13 @@ def bench(
         list[str] | None,
         typer.Option(help="Time this workload's training step (repeatable) [every workload installed]."),
     ] = None,
+    precision: Annotated[
+        str,
+        typer.Option(
+            help="The workload steps' precision, and the one their calibration plans: auto (what `gpuwise train` "
+            "picks here), 32-true or bf16-mixed."
+        ),
+    ] = "auto",
     catalog: CatalogOpt = None,
     as_json: JsonOpt = False,
 ):
@@ -81,6 +91,8 @@ def bench(
     from gpuwise.bench.run import parse_devices, run_bench
     from gpuwise.results import BenchFiles
 
+    if precision not in BENCH_PRECISIONS:
+        raise GpuwiseError(f"--precision {precision}: must be one of {', '.join(BENCH_PRECISIONS)}")
     cat = load_catalog(catalog)
     parse_devices(device)  # a wrong --device or --workload is refused before a directory is made for it
     if workload:
@@ -99,7 +111,7 @@ def bench(
         raise GpuwiseError(f"--out {out}: the directory is not writable")
     status = Console(stderr=True)
     with status.status("benchmarking") as spinner:
-        result = run_bench(device, quick, cat, progress=lambda msg: spinner.update(msg), workloads=workload)
+        result = run_bench(device, quick, cat, lambda msg: spinner.update(msg), workload, precision)
     try:
         png = draw(result.dump(), out / "bench.png")
     except OSError as e:  # a full disk, or the directory removed while we measured

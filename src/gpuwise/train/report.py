@@ -135,9 +135,13 @@ def render(console: Console, summary: TrainSummary | dict) -> None:
         console.print(f"[dim]plan efficiency {plan.efficiency:.3g}: {plan.efficiency_origin}[/]")
     if plan.efficiency_origin == EFFICIENCY.origin and s.device.startswith("cpu"):
         # a published GPU figure says little of a CPU's step: the plan's time is a guess until bench has run
+        how = (
+            f"`gpuwise bench --quick --precision {s.precision}` calibrates it for the next run"
+            if s.precision in ("32-true", "bf16-mixed")
+            else "bench times 32-true and bf16-mixed steps only"
+        )
         console.print(
-            f"step time: planned at a GPU's published efficiency, not calibrated on this CPU at {s.precision}; "
-            "`gpuwise bench --quick` calibrates it for the next run at the precision --precision auto picks"
+            f"step time: planned at a GPU's published efficiency, not calibrated on this CPU at {s.precision}; {how}"
         )
     if s.projection:
         t = Table(

@@ -193,8 +193,10 @@ def fit_and_plan(run: Run, forward_backward: Callable[[int, int], float]) -> Non
     cfg, fabric, work, raw = run.cfg, run.fabric, run.work, run.raw
     rng = rng_state()
     probe_n = min(run.share, 4)
-    # The raw module skips Fabric's input conversion, which bf16-true / 16-true weights need: do it here.
-    probe_batch = fabric.strategy.precision.convert_input(fabric.to_device(work.make_batch(list(range(probe_n)), 0)))
+    probe_batch = fabric.to_device(work.make_batch(list(range(probe_n)), 0))
+    if run.precision.endswith("-true") and run.precision != "32-true":
+        # bf16-true / 16-true weights: the raw module skips the input conversion Fabric's wrapper does
+        probe_batch = fabric.strategy.precision.convert_input(probe_batch)
     flops, saved = measure.probe_step(raw, work.loss, probe_batch)
     flops_per_sample, saved_per_sample = flops / probe_n, saved / probe_n
     states = measure.state_bytes(raw)
