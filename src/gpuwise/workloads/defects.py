@@ -197,8 +197,8 @@ def to_tensor(images: np.ndarray) -> torch.Tensor:
 
 
 # Levers measured (benchmarks/defects_ablation.py switches them; README, defects quality). Left off:
-# ELPV's own defect probabilities (0, 1/3, 2/3, 1) as soft targets, and brightness / contrast jitter of
-# +-JITTER. Each cost accuracy and ROC-AUC here.
+# ELPV's own defect probabilities (0, 1/3, 2/3, 1) as soft targets, brightness / contrast jitter of
+# +-JITTER, and random crops of (1 - CROP .. 1) of the side. Each cost accuracy or ROC-AUC here.
 SOFT_TARGETS = False
 JITTER = 0.0
 CROP = 0.0  # a random square crop of side (1 - CROP .. 1) x the image, resized back
