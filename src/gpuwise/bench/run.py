@@ -127,7 +127,7 @@ def measure_device(
         if w["flops_per_step"] and w["batch"] >= 4:
             # A second, 4x smaller batch splits the step into a part per step (the optimizer, clipping, the
             # weights' own transforms: what does not grow with the batch) and a part per FLOP: one share of
-            # peak alone plans a run at another batch size too fast (a defects step at batch 16: 15-19 % short).
+            # peak alone plans a run at another batch size too fast (a CNN's step at half the batch: 15-19 % short).
             small = macro.throughput(name, device, steps, min_time, batch=w["batch"] // 4, precision=precision)
             w |= per_step_split(w, small, peak.get(key))
         if not w["flops_per_step"]:

@@ -133,7 +133,7 @@ def _usable(value) -> bool:
 
 
 def workload_key(workload: str, precision: str) -> str:
-    """Where bench's timing of a workload's step at one precision is kept, e.g. workload.defects@bf16-mixed."""
+    """Where bench's timing of a workload's step at one precision is kept: workload.<name>@<precision>."""
     return f"workload.{workload}@{precision}"
 
 
