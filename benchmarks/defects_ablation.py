@@ -18,6 +18,7 @@ Variants (each the default run, `gpuwise train defects`, with one change); witho
   lr-4e-3      --lr 4e-3
   192px-60     --image-size 192 --epochs 60 (~9 minutes)
   256px        --image-size 256 (~10 minutes)
+  300px        --image-size 300, ELPV's own size (~12 minutes)
   soft-192px-60  soft targets, --image-size 192 --epochs 60
 
 Per variant: accuracy, recall and precision of "defective" at the threshold chosen on the validation cells,
@@ -52,6 +53,7 @@ VARIANTS: dict[str, tuple[dict, list[str]]] = {
     "lr-4e-3": ({}, ["--lr", "4e-3"]),
     "192px-60": ({}, ["--image-size", "192", "--epochs", "60"]),
     "256px": ({}, ["--image-size", "256"]),
+    "300px": ({}, ["--image-size", "300"]),
     "soft-192px-60": ({"SOFT_TARGETS": True}, ["--image-size", "192", "--epochs", "60"]),
 }
 FIRST = ["default", "plain-conv", "20-epochs", "soft", "jitter"]
