@@ -64,9 +64,6 @@ def render(con: Console, result: BenchResult | dict) -> None:
         con.print("[dim]projected, not measured (no GPU here): " + "; ".join(sorted(bases)) + "[/]")
 
 
-BENCH_PRECISIONS = ("auto", "32-true", "bf16-mixed")
-
-
 def bench(
     device: Annotated[str, typer.Option(help="cpu, cuda:N, or all (every device here).")] = "all",
     quick: Annotated[bool, typer.Option("--quick", help="Smaller sizes: under a minute on 2 CPU cores.")] = False,
@@ -90,9 +87,10 @@ def bench(
     from gpuwise.bench.chart import draw
     from gpuwise.bench.run import parse_devices, run_bench
     from gpuwise.results import BenchFiles
+    from gpuwise.runs.db import TIMED_PRECISIONS, workload_key
 
-    if precision not in BENCH_PRECISIONS:
-        raise GpuwiseError(f"--precision {precision}: must be one of {', '.join(BENCH_PRECISIONS)}")
+    if precision not in ("auto", *TIMED_PRECISIONS):
+        raise GpuwiseError(f"--precision {precision}: must be one of auto, {', '.join(TIMED_PRECISIONS)}")
     cat = load_catalog(catalog)
     parse_devices(device)  # a wrong --device or --workload is refused before a directory is made for it
     if workload:
@@ -119,7 +117,6 @@ def bench(
     result.files = BenchFiles.build({"json": str(out / "bench.json"), "png": str(png)})
     from gpuwise.files import to_json
     from gpuwise.runs import db as rundb
-    from gpuwise.runs.db import workload_key
 
     keys = [r.key for r in result.devices.values()]
     result.record_id = rundb.try_record("bench", ", ".join(keys), "bench", result.dump(), run_dir=str(out))

@@ -132,6 +132,9 @@ def _usable(value) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
+TIMED_PRECISIONS = ("32-true", "bf16-mixed")  # the precisions `gpuwise bench` times a workload's step at
+
+
 def workload_key(workload: str, precision: str) -> str:
     """Where bench's timing of a workload's step at one precision is kept: workload.<name>@<precision>."""
     return f"workload.{workload}@{precision}"

@@ -135,10 +135,12 @@ def render(console: Console, summary: TrainSummary | dict) -> None:
         console.print(f"[dim]plan efficiency {plan.efficiency:.3g}: {plan.efficiency_origin}[/]")
     if plan.efficiency_origin == EFFICIENCY.origin and s.device.startswith("cpu"):
         # a published GPU figure says little of a CPU's step: the plan's time is a guess until bench has run
+        from gpuwise.runs.db import TIMED_PRECISIONS
+
         how = (
             f"`gpuwise bench --quick --precision {s.precision}` calibrates it for the next run"
-            if s.precision in ("32-true", "bf16-mixed")
-            else "bench times 32-true and bf16-mixed steps only"
+            if s.precision in TIMED_PRECISIONS
+            else f"bench times {' and '.join(TIMED_PRECISIONS)} steps only"
         )
         console.print(
             f"step time: planned at a GPU's published efficiency, not calibrated on this CPU at {s.precision}; {how}"

@@ -194,8 +194,8 @@ def fit_and_plan(run: Run, forward_backward: Callable[[int, int], float]) -> Non
     rng = rng_state()
     probe_n = min(run.share, 4)
     probe_batch = fabric.to_device(work.make_batch(list(range(probe_n)), 0))
-    if run.precision.endswith("-true") and run.precision != "32-true":
-        # bf16-true / 16-true weights: the raw module skips the input conversion Fabric's wrapper does
+    if run.precision == "bf16-true":
+        # bf16 weights: the raw module skips the input conversion Fabric's wrapper does
         probe_batch = fabric.strategy.precision.convert_input(probe_batch)
     flops, saved = measure.probe_step(raw, work.loss, probe_batch)
     flops_per_sample, saved_per_sample = flops / probe_n, saved / probe_n
