@@ -16,7 +16,7 @@ def trained(tmp: Path, workload: str) -> Path:
     run = tmp / workload
     data = {
         "defects": f"defects --data {image_folder(tmp / 'cells')} --image-size 32 --batch-size 8 --max-steps 2",
-        "recommender": f"recommender --data {interactions_csv(tmp / 'i.csv')} --batch-size 64 --max-steps 3",
+        "recommender": f"recommender --data {interactions_csv(tmp / 'i.csv')} --batch-size 8 --max-steps 3",
         "product-lm": f"product-lm --base scratch --data {reviews_jsonl(tmp / 'r.jsonl')} --block-size 32"
         " --batch-size 4 --max-steps 1",
     }[workload]

@@ -41,11 +41,11 @@ def defects_run(tmp_path_factory, cells):
     return run
 
 
-@pytest.fixture(scope="module")
-def recommender_run(tmp_path_factory):
+@pytest.fixture(scope="module", params=["sasrec", "mf"])
+def recommender_run(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("recommender")
     data = interactions_csv(root / "interactions.csv")
-    run = train(root, f"train recommender --data {data} --batch-size 64 --max-steps 3")
+    run = train(root, f"train recommender --data {data} --batch-size 8 --max-steps 3 --model {request.param}")
     export_onnx(run)
     return run
 
@@ -71,8 +71,8 @@ def test_defects_onnx_matches_torch_at_every_batch_size(defects_run, cells):
 
 
 def test_recommender_onnx_matches_torch_at_every_batch_size(recommender_run):
-    model = load_torch(recommender_run)[2]  # users -> every item's score, as exported
-    n_items = model.mf.item.num_embeddings
+    model = load_torch(recommender_run)[2]  # users -> every item's score, as exported (the history rides along)
+    n_items = len(json.loads((recommender_run / "ids.json").read_text())["items"])
     forward = onnx_forward(recommender_run / "model.onnx")
     for users in (np.arange(0, 40, 3), np.array([7]), np.array([39, 0, 5, 5, 12])):
         with torch.no_grad():

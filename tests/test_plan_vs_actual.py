@@ -19,7 +19,7 @@ TOLERANCE = 0.10
 
 RUNS = {
     "defects": (["--batch-size", "16", "--max-steps", "3"], "traced on fake tensors"),
-    "recommender": (["--batch-size", "1024", "--max-steps", "3"], "traced on fake tensors"),
+    "recommender": (["--batch-size", "128", "--max-steps", "3"], "traced on fake tensors"),
     "product-lm": (["--base", "scratch", "--batch-size", "4", "--max-steps", "3"], "analytic activations"),
     # fp32 as well (the default is bf16-mixed where the CPU has native bf16): the logits' terms differ
     "product-lm fp32": (

@@ -175,8 +175,9 @@ def test_fsdp_on_two_processes_matches_one_and_resumes_from_its_shards(cells, tm
         # decoder layers sharded one by one (transformers' _no_split_modules), LoRA beside frozen weights
         ("product-lm", ("--base", "scratch", "--method", "lora", "--block-size", "32"),
          "adapter/adapter_model.safetensors"),
-        # embeddings read outside forward (scoring every item) through whole_params
-        ("recommender", (), "model.safetensors"),
+        # embeddings read outside forward (scoring every item) through whole_params; matrix factorization,
+        # whose forward draws no dropout masks (the sequential model's: test_fsdp_trains_the_sequential_...)
+        ("recommender", ("--model", "mf"), "model.safetensors"),
     ],
 )
 def test_fsdp_shards_other_models_alike(workload, data, saved, tmp_path):
@@ -189,6 +190,27 @@ def test_fsdp_shards_other_models_alike(workload, data, saved, tmp_path):
     assert one.returncode == 0, one.stderr
     torchrun(["train", *common, "--run-dir", str(tmp_path / "two"), "--devices", "2", "--strategy", "fsdp"], 29520)
     assert_same_training(tmp_path / "one", tmp_path / "two", saved)
+
+
+@pytest.mark.slow
+def test_fsdp_trains_the_sequential_recommender_and_saves_it_whole(tmp_path):
+    """The default recommender under FSDP on 2 processes: its dropout masks differ from one process's, so
+    the run is not compared number for number; it trains, evaluates (every item's score through
+    whole_params) and saves the whole model, which serves recommendations."""
+    from train_data import interactions_csv
+
+    data = interactions_csv(tmp_path / "i.csv")
+    run = tmp_path / "two"
+    torchrun(["train", "recommender", "--data", str(data), "--batch-size", "8", "--max-steps", "3", "--accelerator",
+              "cpu", *EXACT, "--run-dir", str(run), "--devices", "2", "--strategy", "fsdp"], 29521)
+    one = run_cli(["train", "recommender", "--data", str(data), "--batch-size", "8", "--max-steps", "3",
+                   "--accelerator", "cpu", *EXACT, "--run-dir", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr
+    a, b = weights(tmp_path / "one", "model.safetensors"), weights(run, "model.safetensors")
+    assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
+    assert all(torch.isfinite(v).all() for v in b.values()) and len(losses(run)) == 3
+    done = run_cli(["predict", str(run), "u1", "--k", "3", "--json"])
+    assert done.returncode == 0 and json.loads(done.stdout)[0]["source"] == "model", done.stderr
 
 
 def test_injected_oom_keeps_the_loss_trajectory(cells, tmp_path, monkeypatch):

@@ -75,7 +75,7 @@ def test_defects_transfer_learning_from_a_local_image_model(capsys, cells, tmp_p
 
 def test_recommender_metrics_baselines_and_predict(capsys, tmp_path):
     data = interactions_csv(tmp_path / "ratings.csv")
-    s = train_json(capsys, "recommender --data {} --batch-size 64 --max-steps 20 --run-dir {}", data, tmp_path / "run")
+    s = train_json(capsys, "recommender --data {} --batch-size 8 --max-steps 20 --run-dir {}", data, tmp_path / "run")
     assert {"recall@10", "ndcg@10"} <= set(s["eval"])
     assert s["baseline"]["name"] == "popularity"
     assert set(s["baseline"]["also"]) == {"ItemKNN (cosine)", "EASE^R (lambda 100)"}
@@ -94,10 +94,10 @@ def test_past_the_softmax_bound_the_recommender_trains_with_bpr(capsys, tmp_path
 
     data = interactions_csv(tmp_path / "ratings.csv")
     monkeypatch.setattr(rec, "FULL_SOFTMAX_ITEMS", 50)
-    s = train_json(capsys, "recommender --data {} --batch-size 64 --max-steps 3 --run-dir {}", data, tmp_path / "bpr")
+    s = train_json(capsys, "recommender --data {} --batch-size 8 --max-steps 3 --run-dir {}", data, tmp_path / "bpr")
     assert s["data"]["loss"].startswith("BPR") and s["final_loss"] == pytest.approx(0.693, abs=0.01)
     monkeypatch.setattr(rec, "FULL_SOFTMAX_ITEMS", 60)
-    s = train_json(capsys, "recommender --data {} --batch-size 64 --max-steps 3 --run-dir {}", data, tmp_path / "sm")
+    s = train_json(capsys, "recommender --data {} --batch-size 8 --max-steps 3 --run-dir {}", data, tmp_path / "sm")
     assert s["data"]["loss"] == "softmax over all 60 items" and s["final_loss"] == pytest.approx(4.09, abs=0.05)
 
 
@@ -142,13 +142,17 @@ def test_a_short_defects_run_on_elpv_clears_its_floor(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_default_recommender_beats_itemknn_on_movielens(capsys, tmp_path):
-    """Issue #13's floor: the default run (softmax over all items, 5 epochs, ~30 s here) above ItemKNN on both
-    recall@10 and NDCG@10, on the same split in the same run. Measured here: 0.0745 / 0.0724 / 0.0742 recall and
-    0.0764 / 0.0741 / 0.0772 NDCG (seeds 0 / 1 / 2) against ItemKNN's 0.0678 / 0.0694."""
+def test_the_default_recommender_beats_ease_on_movielens(capsys, tmp_path):
+    """Issue #13's stretch goal as a floor: the default run (SASRec, 30 epochs, ~90 s here) above EASE^R, the
+    strongest baseline, on both recall@10 and NDCG@10, on the same split in the same run. Measured on 2 Zen 5
+    cores: recall@10 0.101 / 0.0962 / 0.0969 and NDCG@10 0.1033 / 0.0982 / 0.0972 (seeds 0 / 1 / 2) against
+    EASE^R's 0.0876 / 0.0906: the smallest margins, 10 % and 7 %, are what this floor leaves to another CPU's
+    rounding. `--model mf` stays above ItemKNN (0.0745 / 0.0763 against 0.0678 / 0.0694; test_export, serve and
+    warm-start tests train it too)."""
     s = train_json(capsys, "recommender --run-dir {}", tmp_path / "run")
-    knn = s["baseline"]["also"]["ItemKNN (cosine)"]
-    assert s["eval"]["recall@10"] > knn["recall@10"] and s["eval"]["ndcg@10"] > knn["ndcg@10"], (s["eval"], knn)
+    ease = s["baseline"]["also"]["EASE^R (lambda 100)"]
+    assert s["eval"]["recall@10"] > ease["recall@10"] and s["eval"]["ndcg@10"] > ease["ndcg@10"], (s["eval"], ease)
+    assert s["data"]["model"].startswith("SASRec")
 
 
 @pytest.mark.parametrize("users, items", [(30, 50), (50, 30)])  # Woodbury's form, and the direct one
@@ -202,7 +206,7 @@ def test_the_recommender_baselines_reach_their_measured_figures_on_movielens():
 
     from gpuwise.workloads.recommender import build
 
-    base = build(types.SimpleNamespace(data=None, init_from=None, seed=0), Path("unused")).baseline
+    base = build(types.SimpleNamespace(data=None, init_from=None, seed=0, model=None), Path("unused")).baseline
     also = base["also"]
     assert base["recall@10"] == pytest.approx(0.0439, abs=0.002)
     assert also["ItemKNN (cosine)"]["recall@10"] == pytest.approx(0.0678, abs=0.002)
@@ -210,13 +214,55 @@ def test_the_recommender_baselines_reach_their_measured_figures_on_movielens():
     assert also["EASE^R (lambda 100)"]["ndcg@10"] == pytest.approx(0.0906, abs=0.002)
 
 
-def test_recommender_warm_start_grows_embeddings(capsys, tmp_path):
-    week1 = interactions_csv(tmp_path / "week1.csv", users=30)
-    train_json(capsys, "recommender --data {} --batch-size 64 --max-steps 5 --run-dir {}", week1, tmp_path / "w1")
-    week2 = interactions_csv(tmp_path / "week2.csv", users=40)  # ten new users
-    s = train_json(capsys, "recommender --data {} --batch-size 64 --max-steps 5 --init-from {} --run-dir {}",
-                   week2, tmp_path / "w1", tmp_path / "w2")
+@pytest.mark.parametrize("model", ["sasrec", "mf"])
+def test_recommender_warm_start_grows_embeddings(capsys, tmp_path, model):
+    """Last week's run starts this week's: known items keep their trained rows (the sequential model's row 0
+    is padding, so its rows are shifted by one), new items and users get fresh ones."""
+    import torch
+    from safetensors.torch import load_file
+
+    week1 = interactions_csv(tmp_path / "week1.csv", users=30, items=50)
+    train_json(capsys, "recommender --data {} --batch-size 8 --max-steps 5 --model " + model + " --run-dir {}",
+               week1, tmp_path / "w1")
+    week2 = interactions_csv(tmp_path / "week2.csv", users=40)  # ten new users, ten more items
+    # one step at a learning rate that moves nothing: the rows as the warm start left them
+    s = train_json(capsys, "recommender --data {} --batch-size 8 --max-steps 1 --lr 1e-12 --model " + model
+                   + " --init-from {} --run-dir {}", week2, tmp_path / "w1", tmp_path / "w2")
     assert s["data"]["warm_start"]["users"] == {"kept": 30, "new": 10}
+    kept = s["data"]["warm_start"]["items"]["kept"]
+    assert kept > 30 and s["data"]["warm_start"]["items"]["new"] > 0
+    ids1, ids2 = (json.loads((tmp_path / w / "ids.json").read_text())["items"] for w in ("w1", "w2"))
+    w1, w2 = (load_file(str(tmp_path / w / "model.safetensors"))["item.weight"] for w in ("w1", "w2"))
+    shift = 1 if model == "sasrec" else 0
+    same = [(ids2.index(i) + shift, ids1.index(i) + shift) for i in ids1 if i in ids2]
+    assert len(same) == kept
+    for new_row, old_row in same:
+        assert torch.allclose(w2[new_row], w1[old_row], atol=1e-6)
+
+
+def test_a_warm_start_from_the_other_model_is_refused(capsys, tmp_path):
+    data = interactions_csv(tmp_path / "i.csv")
+    train_json(capsys, "recommender --data {} --batch-size 8 --max-steps 1 --model mf --run-dir {}", data,
+               tmp_path / "mf")
+    err = one_line_error(capsys, "train recommender --data {} --init-from {} --run-dir {}", data, tmp_path / "mf",
+                         tmp_path / "seq")
+    assert "a --model mf run cannot start a --model sasrec run" in err
+    assert not (tmp_path / "seq" / "model.safetensors").exists()
+
+
+def test_windows_and_latest_read_each_users_items_in_order():
+    """The sequential model's samples: each user's items cut from the newest back into windows, every item
+    but a user's first the target of the one before it; and the latest items it reads to recommend."""
+    import numpy as np
+
+    from gpuwise.workloads.recommender import latest, windows
+
+    user = np.array([0, 0, 0, 0, 0, 1, 1, 2])  # user 2 has one item: no target, no window
+    item = np.array([5, 6, 7, 8, 9, 3, 4, 1])
+    inputs, targets = windows(user, item, 3)
+    assert inputs.tolist() == [[7, 8, 9], [0, 0, 6], [0, 0, 4]]  # index + 1, 0 pads on the left
+    assert targets.tolist() == [[7, 8, 9], [-1, -1, 6], [-1, -1, 4]]
+    assert latest(user, item, 4, 3).tolist() == [[8, 9, 10], [0, 4, 5], [0, 0, 2], [0, 0, 0]]
 
 
 def test_product_lm_full_then_lora_on_its_saved_model(capsys, tmp_path):
@@ -286,6 +332,8 @@ def test_missing_column_and_empty_files(capsys, tmp_path):
     ("train defects --precision fp8", "--precision must be one of"),
     ("train defects --micro-batch-size lots", "--micro-batch-size must be a positive integer or auto"),
     ("train recommender --method lora", "applies to product-lm only"),
+    ("train recommender --model gru", "--model must be one of sasrec, mf, not 'gru'"),
+    ("train defects --model mf", "--model applies to recommender only"),
     ("train product-lm --method full --merge", "--merge folds a LoRA/QLoRA adapter"),
     ("train", "name a workload"),
     ("train defects --data /nonexistent", "no such file or directory"),

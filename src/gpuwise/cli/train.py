@@ -81,6 +81,13 @@ def train(
     lora_rank: Annotated[int, typer.Option(help="Language models: LoRA rank.")] = 16,
     merge: Annotated[bool, typer.Option("--merge", help="lora/qlora: also save the merged model.")] = False,
     block_size: Annotated[int, typer.Option(help="Language models: tokens per training sequence.")] = 128,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="Recommender: sasrec (self-attention over each user's latest items) or mf (matrix "
+            "factorization) [sasrec]."
+        ),
+    ] = None,
     resume: Annotated[
         Path | None, typer.Option(help="Continue the run in this directory from its newest whole checkpoint.")
     ] = None,
@@ -127,6 +134,7 @@ def train(
             lora_rank=lora_rank,
             merge=merge,
             block_size=block_size,
+            model=model,
         )
         summary = train_run(cfg, console=progress_console)
     if summary is None:  # not rank 0: the first process reports

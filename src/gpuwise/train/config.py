@@ -54,6 +54,7 @@ class TrainConfig:
     lora_rank: int = 16
     merge: bool = False  # lora/qlora: also save the base with the adapter merged in, as model/
     block_size: int = 128  # tokens per training sequence
+    model: str | None = None  # which of its models a workload trains, where it has several (its `validate` checks)
 
     def workload_def(self, untrusted_dir: Path | None = None) -> Workload:
         """The workload this config names; `untrusted_dir`: the run directory the config was read from."""
@@ -107,6 +108,8 @@ class TrainConfig:
             raise GpuwiseError(f"--data {self.data}: not a regular file or directory (a device or a pipe never ends)")
 
         workload.validate(self)
+        if check_paths:
+            workload.check_files(self)
 
     def _check_options(self, workload: Workload) -> None:
         """A workload option set away from its default for a workload that does not read it is a mistake."""

@@ -92,8 +92,9 @@ def render(console: Console, summary: TrainSummary | dict) -> None:
         console.print(f"[dim]decision threshold {ev['threshold_origin']}[/]")
     if published:
         console.print(f"[dim]published: {published.get('source')}[/]")
-    if (s.data or {}).get("loss"):
-        console.print(f"[dim]loss: {s.data['loss']}[/]")
+    for key in ("model", "loss"):  # what trained, where a workload has several
+        if isinstance((s.data or {}).get(key), str):
+            console.print(f"[dim]{key}: {s.data[key]}[/]")
     for text in ev.get("samples", []):
         console.print(f"[dim]sample:[/] {text}")
     tp = s.throughput

@@ -65,7 +65,7 @@ class OnnxSignature:
 
 # The TrainConfig fields a workload may read beyond the common ones (data, epochs, batch, lr, devices...):
 # each workload lists those it uses in `options`; a value given for one it does not use is refused.
-WORKLOAD_OPTIONS = ("image_size", "init_from", "base", "method", "lora_rank", "merge", "block_size")
+WORKLOAD_OPTIONS = ("image_size", "init_from", "base", "method", "lora_rank", "merge", "block_size", "model")
 
 
 class Workload(ABC):
@@ -85,6 +85,12 @@ class Workload(ABC):
     def validate(self, cfg: Any) -> None:
         """Refuse option values this workload cannot train with, in one line naming the flag."""
         return None  # every value the common checks let through is fine
+
+    def check_files(self, cfg: Any) -> None:
+        """Refuse files the config names that this workload cannot start from (e.g. an `--init-from` run of
+        another model), in one line, before anything loads. Only before training: a finished run's saved
+        config may name files that have moved since."""
+        return None
 
     @abstractmethod
     def build(self, cfg: Any, run_dir: Path) -> Training:

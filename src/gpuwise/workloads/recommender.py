@@ -1,10 +1,12 @@
 """recommender: top-k recommendations from rating history, retrained every week.
 
-Matrix factorization trained with a softmax over the whole catalogue (each interaction's item against every
-other item), or, past FULL_SOFTMAX_ITEMS items, with BPR (the positive against one sampled negative). The
-held-out split is each user's most recent 10 % of interactions: a single global cut-off on MovieLens leaves
-~22 users on both sides (shared/reference/published.md), too few to tell models apart. ``--init-from`` starts
-from last week's run and grows the embeddings for users and items that are new since.
+The default model reads each user's latest items in order (SASRec: causal self-attention over the history,
+Kang & McAuley 2018) and scores what comes next; `--model mf` trains matrix factorization (an embedding per
+user, no order). Both are trained with a softmax over the whole catalogue (the next item against every other
+item), or, past FULL_SOFTMAX_ITEMS items, with BPR (against one sampled negative). The held-out split is
+each user's most recent 10 % of interactions: a single global cut-off on MovieLens leaves ~22 users on both
+sides (shared/reference/published.md), too few to tell models apart. ``--init-from`` starts from last
+week's run: known items keep their embeddings, new ones get fresh rows.
 """
 
 from __future__ import annotations
@@ -89,9 +91,129 @@ class MatrixFactorization(nn.Module):
         return self.user(users) @ self.item.weight.T + self.bias.weight.T
 
 
-# The softmax's logits are [batch, items]: 4096 x 50,000 in fp32 is 0.8 GB with their gradient, and its step
-# grows with the catalogue. Past this size the loss is BPR, whose step does not. MovieLens' 8,400 items
-# train in 27 s to recall@10 0.074 with the softmax against 0.060 with BPR (README, recommender quality).
+# SASRec's settings (Kang & McAuley 2018, arXiv 1808.09781, section IV-B): two blocks, one head, width 50,
+# dropout 0.2 on MovieLens-1M, the latest 50 items on its sparser data sets (200 on MovieLens-1M). Here:
+# width 64 in two heads of 32; 50 items of history gave recall@10 0.101 where 200 gave 0.076 (MovieLens here
+# has a median of 64 training ratings per user); dropout 0.2 gave 0.101 where none gave 0.081 (the model
+# then memorizes the training sequences: final loss 4.3 against 5.6). Dropout draws its masks from torch's
+# generator: a resumed run redraws them exactly, but 2 processes or another micro-batch draw other masks
+# than 1 process (README, recommender quality).
+HISTORY = 50
+MODELS = ("sasrec", "mf")
+
+
+class CausalBlock(nn.Module):
+    """Pre-norm self-attention and MLP (GPT-2's block): position t attends to the items up to t only, so
+    every position of a window is trained to predict the item after it. LayerNorm, not BatchNorm: a
+    sample's output never depends on the rest of its micro-batch."""
+
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class SequentialRecommender(nn.Module):
+    """SASRec: item embeddings plus learned positions through causal self-attention blocks; the hidden state
+    after a history, dotted with every item's embedding (the same table as the input's) plus a bias, scores
+    the next item. Inputs are item index + 1, with 0 for "no item": a history shorter than HISTORY is padded
+    on the left."""
+
+    def __init__(
+        self, items: int, dim: int = 64, history: int = HISTORY, layers: int = 2, heads: int = 2, dropout: float = 0.2
+    ):
+        super().__init__()
+        self.dim = dim
+        self.item = nn.Embedding(items + 1, dim, padding_idx=0)
+        self.bias = nn.Embedding(items + 1, 1)
+        self.pos = nn.Embedding(history, dim)
+        self.blocks = nn.ModuleList(CausalBlock(dim, heads, dropout) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.drop = nn.Dropout(dropout)
+        for table in (self.item, self.pos):
+            nn.init.normal_(table.weight, std=0.02)
+        with torch.no_grad():
+            self.item.weight[0].zero_()
+        nn.init.zeros_(self.bias.weight)
+
+    @property
+    def history(self) -> int:
+        return self.pos.num_embeddings
+
+    def hidden(self, seq: torch.Tensor) -> torch.Tensor:
+        """[batch, HISTORY] item ids (+1) -> [batch, HISTORY, dim]: the state after each position."""
+        positions = torch.arange(seq.shape[1], device=seq.device)
+        # scaled by sqrt(dim) as in the Transformer, so the N(0, 0.02) embeddings are not drowned by positions
+        x = self.drop(self.item(seq) * self.dim**0.5 + self.pos(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    def forward(self, seq: torch.Tensor, items: torch.Tensor | None = None) -> torch.Tensor:
+        """Every item's score after each position, [batch, HISTORY, items]; or, given `items` [batch, HISTORY,
+        n] (index + 1), those items' scores. The catalogue is looked up through the embeddings' own forward:
+        under FSDP only a module call gathers the sharded table."""
+        h = self.hidden(seq)
+        if items is None:
+            every = torch.arange(1, self.item.num_embeddings, device=seq.device)
+            return h @ self.item(every).T + self.bias(every).T
+        return (h.unsqueeze(2) * self.item(items)).sum(-1) + self.bias(items).squeeze(-1)
+
+    def all_scores(self, seq: torch.Tensor) -> torch.Tensor:
+        """[batch, items]: every item's score after each whole history, read straight from the tables (whole
+        weights: evaluation, serving, the ONNX graph)."""
+        h = self.hidden(seq)[:, -1]
+        return h @ self.item.weight[1:].T + self.bias.weight[1:].T
+
+
+Recommenders = MatrixFactorization | SequentialRecommender
+
+
+def windows(user: np.ndarray, item: np.ndarray, history: int) -> tuple[np.ndarray, np.ndarray]:
+    """Training samples of the sequential model from interactions sorted by (user, time): each user's items
+    cut from the newest back into windows of `history` inputs, each input's target the item after it
+    (consecutive windows share one item, so every item but a user's first is a target once). Inputs are
+    index + 1 (0: padding on the left); targets are index, -1 where there is none."""
+    bounds = np.flatnonzero(np.diff(user)) + 1
+    inputs, targets = [], []
+    for seq in np.split(item, bounds):
+        for end in range(len(seq), 1, -history):
+            chunk = seq[max(0, end - history - 1) : end]
+            x, y = np.zeros(history, np.int64), np.full(history, -1, np.int64)
+            x[history - len(chunk) + 1 :], y[history - len(chunk) + 1 :] = chunk[:-1] + 1, chunk[1:]
+            inputs.append(x)
+            targets.append(y)
+    if not inputs:
+        return np.zeros((0, history), np.int64), np.zeros((0, history), np.int64)
+    return np.stack(inputs), np.stack(targets)
+
+
+def latest(user: np.ndarray, item: np.ndarray, users: int, history: int) -> torch.Tensor:
+    """[users, history]: each user's latest items (+1), oldest first, padded with 0 on the left: what the
+    sequential model reads to recommend. Interactions sorted by (user, time)."""
+    out = np.zeros((users, history), np.int64)
+    bounds = np.searchsorted(user, np.arange(users + 1))
+    for u in range(users):
+        seq = item[bounds[u] : bounds[u + 1]][-history:]
+        out[u, history - len(seq) :] = seq + 1
+    return torch.from_numpy(out)
+
+
+# The softmax's logits are [samples, items] (SASRec: [windows x positions, items]): 128 x 50 x 50,000 in fp32
+# is 1.3 GB, as much again for their gradient, and the step grows with the catalogue. Past this size the loss
+# is BPR, whose step does not. On MovieLens' 8,400 items matrix factorization reached recall@10 0.074 with the
+# softmax against 0.060 with BPR (README, recommender quality).
 FULL_SOFTMAX_ITEMS = 50_000
 
 
@@ -130,7 +252,26 @@ def top_k(scores: torch.Tensor, seen: list[np.ndarray], k: int) -> list[list[int
     return scores.topk(k, dim=1).indices.tolist()
 
 
+def sequence_softmax_loss(model, seq, target, per_window: float):
+    """Cross-entropy of the item after each position among all items (fp32 logits under bf16 autocast).
+    A window's losses are summed and divided by `per_window`, the training set's mean count of targets per
+    window, then averaged over windows: a per-sample mean (the loop's micro-batch weighting stays exact)
+    that reads as the mean over positions."""
+    ce = nn.functional.cross_entropy(
+        model(seq).float().flatten(0, 1), target.flatten(), ignore_index=-1, reduction="none"
+    )
+    return ce.view(target.shape).sum(1).mean() / per_window
+
+
+def sequence_bpr_loss(model, seq, target, neg, per_window: float):
+    """BPR after each position: the next item against one sampled item, both scored in one forward."""
+    scores = model(seq, torch.stack([target + 1, neg + 1], -1))  # target -1 (padding) looks up row 0
+    per = -nn.functional.logsigmoid(scores[..., 0] - scores[..., 1]) * (target >= 0)
+    return per.sum(1).mean() / per_window
+
+
 def build(cfg, run_dir: Path) -> Training:
+    kind = cfg.model or MODELS[0]
     df, source = load_interactions(cfg.data)
     df = df.reset_index(drop=True)
     train_rows, test_rows = temporal_split(df)
@@ -140,7 +281,15 @@ def build(cfg, run_dir: Path) -> Training:
     u_index, i_index = {u: n for n, u in enumerate(users)}, {i: n for n, i in enumerate(items)}
     tu = train_df["user"].astype(str).map(u_index).to_numpy()
     ti = train_df["item"].astype(str).map(i_index).to_numpy()
-    model = MatrixFactorization(len(users), len(items))
+    # by user index, each user's items oldest first (temporal_split sorted them by time): the order the
+    # sequential model reads, and the order train_interactions.npz keeps for serving
+    order = np.argsort(tu, kind="stable")
+    tu, ti = tu[order], ti[order]
+    model: Recommenders = (
+        SequentialRecommender(len(items), history=HISTORY)
+        if kind == "sasrec"
+        else MatrixFactorization(len(users), len(items))
+    )
     grown = None
     if cfg.init_from:
         with loading_model(Path(cfg.init_from), "--init-from"):
@@ -155,15 +304,31 @@ def build(cfg, run_dir: Path) -> Training:
     popularity = np.bincount(ti, minlength=len(items)).astype(np.float32)
 
     softmax = len(items) <= FULL_SOFTMAX_ITEMS
+    if kind == "sasrec":
+        inputs, targets = windows(tu, ti, HISTORY)
+        history = latest(tu, ti, len(users), HISTORY)
+        per_window = float((targets >= 0).sum() / max(1, len(targets)))
+        if not len(inputs):
+            raise GpuwiseError(f"{source}: no user has two training interactions: nothing to learn an order from")
 
     def make_batch(indices, epoch):
         idx = np.asarray(indices)
+        if kind == "sasrec":
+            batch = {"seq": torch.from_numpy(inputs[idx]), "target": torch.from_numpy(targets[idx])}
+            if not softmax:  # one negative per position, hashed from (window, position)
+                at = idx[:, None] * HISTORY + np.arange(HISTORY)[None, :]
+                batch["neg"] = torch.from_numpy(negatives(at.ravel(), cfg.seed, epoch, len(items)).reshape(at.shape))
+            return batch
         batch = {"user": torch.from_numpy(tu[idx]), "pos": torch.from_numpy(ti[idx])}
         if not softmax:
             batch["neg"] = torch.from_numpy(negatives(idx, cfg.seed, epoch, len(items)))
         return batch
 
     def loss(model, batch):
+        if kind == "sasrec":
+            if softmax:
+                return sequence_softmax_loss(model, batch["seq"], batch["target"], per_window)
+            return sequence_bpr_loss(model, batch["seq"], batch["target"], batch["neg"], per_window)
         if softmax:
             return softmax_loss(model, batch["user"], batch["pos"])
         return bpr_loss(model, batch["user"], batch["pos"], batch["neg"])
@@ -179,8 +344,9 @@ def build(cfg, run_dir: Path) -> Training:
     def evaluate(model, device):
         model.eval()
         raw = model.module if hasattr(model, "module") else model
+        scorer = AllScores(raw, history.to(device) if kind == "sasrec" else None)
         with whole_params(raw):
-            out = score_users(lambda us: raw.all_scores(torch.tensor(us, device=device)).float().cpu())
+            out = score_users(lambda us: scorer(torch.tensor(us, device=device)).float().cpu())
         model.train()
         return out
 
@@ -196,16 +362,25 @@ def build(cfg, run_dir: Path) -> Training:
         if "title" in df.columns:
             titles = dict(zip(df["item"].astype(str), df["title"].astype(str), strict=False))
         meta = {
+            "model": kind,
             "users": users,
             "items": items,
             "titles": {i: titles.get(i) for i in items} if titles else {},
             "popular": np.argsort(-popularity, kind="stable")[:100].tolist(),
-            "dim": model.user.embedding_dim,
+            "dim": model.item.embedding_dim,
         }
+        if kind == "sasrec":
+            meta["history"] = HISTORY
         (run_dir / "ids.json").write_text(json.dumps(meta))
+        # oldest first within each user: the sequential model reads each user's latest items from it
         np.savez_compressed(run_dir / "train_interactions.npz", user=tu, item=ti)
         return ["model.safetensors", "ids.json", "train_interactions.npz"]
 
+    loss_name = (
+        f"softmax over all {len(items):,} items"
+        if softmax
+        else f"BPR, one sampled negative ({len(items):,} items: past {FULL_SOFTMAX_ITEMS:,} for a full softmax)"
+    )
     info = {
         "data": source,
         "interactions": len(df),
@@ -215,29 +390,37 @@ def build(cfg, run_dir: Path) -> Training:
         "items": len(items),
         "test_users": len(test_users),
         "split": "each user's most recent 10 % held out",
-        "loss": (
-            f"softmax over all {len(items):,} items"
-            if softmax
-            else f"BPR, one sampled negative ({len(items):,} items: past {FULL_SOFTMAX_ITEMS:,} for a full softmax)"
+        "model": (
+            f"SASRec: self-attention over each user's latest {HISTORY} items, a sample is a window of them"
+            if kind == "sasrec"
+            else "matrix factorization: an embedding per user and per item, a sample is one interaction"
         ),
+        "loss": loss_name,
     }
     if grown:
         info["warm_start"] = grown
-    return Training(
-        "recommender",
-        model,
-        len(train_rows),
-        make_batch,
-        loss,
-        evaluate,
-        save,
+    if kind == "sasrec":
+        # 30 epochs of 128 windows at lr 3e-3 (warm-up, cosine): recall@10 0.101 in 97 s here; 20 epochs gave
+        # 0.090, 40 gave 0.093, SASRec's lr 1e-3 0.074 (benchmarks/recommender_ablation.py). No weight decay
+        # (SASRec's MovieLens setting): dropout regularizes.
+        defaults = {"epochs": 30, "batch_size": 128, "lr": 3e-3, "weight_decay": 0.0}
+    else:
         # softmax: 5 epochs at lr 1e-2 (recall@10 0.074, 27 s here); BPR: 20 epochs at 5e-3 (0.060, 7 s)
-        defaults={
+        defaults = {
             "epochs": 5 if softmax else 20,
             "batch_size": 1024,
             "lr": 1e-2 if softmax else 5e-3,
             "weight_decay": 1e-4,
-        },
+        }
+    return Training(
+        "recommender",
+        model,
+        len(inputs) if kind == "sasrec" else len(tu),
+        make_batch,
+        loss,
+        evaluate,
+        save,
+        defaults=defaults,
         baseline=baseline,
         info=info,
     )
@@ -312,59 +495,100 @@ def ease_scores(tu, ti, n_users: int, n_items: int, lam: float = EASE_LAMBDA) ->
     return x @ b
 
 
-def warm_start(model: MatrixFactorization, prev_dir: Path, users: list[str], items: list[str]) -> dict:
-    from safetensors.torch import load_file
-
+def check_init_from(prev_dir: Path, kind: str) -> dict:
+    """ids.json of a finished run of the same model, or one line saying why `--init-from` cannot use it."""
     if not (prev_dir / "ids.json").is_file() or not (prev_dir / "model.safetensors").is_file():
         raise GpuwiseError(f"--init-from {prev_dir}: not a finished recommender run (no ids.json, model.safetensors)")
     meta = json.loads((prev_dir / "ids.json").read_text())
+    if meta.get("model", "mf") != kind:
+        raise GpuwiseError(
+            f"--init-from {prev_dir}: a --model {meta.get('model', 'mf')} run cannot start a --model {kind} run"
+        )
+    return meta
+
+
+def warm_start(model: Recommenders, prev_dir: Path, users: list[str], items: list[str]) -> dict:
+    """Last week's weights into this week's model: the rows of items (and, for matrix factorization, users)
+    both weeks know are copied by id, new ones keep their fresh initialization; the sequential model's
+    other weights (positions, attention) are copied whole."""
+    from safetensors.torch import load_file
+
+    kind = "sasrec" if isinstance(model, SequentialRecommender) else "mf"
+    meta = check_init_from(prev_dir, kind)
     weights = load_file(str(prev_dir / "model.safetensors"))
-    if weights["user.weight"].shape[1] != model.user.embedding_dim:
-        raise GpuwiseError(f"--init-from {prev_dir}: embedding size {weights['user.weight'].shape[1]} differs")
+    if weights["item.weight"].shape[1] != model.item.embedding_dim:
+        raise GpuwiseError(f"--init-from {prev_dir}: embedding size {weights['item.weight'].shape[1]} differs")
+    shift = 1 if kind == "sasrec" else 0  # the sequential model's row 0 is "no item"
+    ids = {"items": (items, meta["items"], [(model.item.weight, "item.weight"), (model.bias.weight, "bias.weight")])}
+    if isinstance(model, MatrixFactorization):
+        ids["users"] = (users, meta["users"], [(model.user.weight, "user.weight")])
     counts = {}
     with torch.no_grad():
-        for name, new_ids, old_ids, tables in (
-            ("users", users, meta["users"], [(model.user.weight, weights["user.weight"])]),
-            (
-                "items",
-                items,
-                meta["items"],
-                [(model.item.weight, weights["item.weight"]), (model.bias.weight, weights["bias.weight"])],
-            ),
-        ):
+        for name, (new_ids, old_ids, tables) in ids.items():
             old = {x: n for n, x in enumerate(old_ids)}
-            pairs = [(n, old[x]) for n, x in enumerate(new_ids) if x in old]
+            pairs = [(n + shift, old[x] + shift) for n, x in enumerate(new_ids) if x in old]
             if pairs:
                 dst, src = map(torch.tensor, zip(*pairs, strict=True))
-                for table, prev in tables:
-                    table[dst] = prev[src]
+                for table, key in tables:
+                    table[dst] = weights[key][src]
             counts[name] = {"kept": len(pairs), "new": len(new_ids) - len(pairs)}
+        if kind == "sasrec":
+            rest = {k: v for k, v in weights.items() if k not in ("item.weight", "bias.weight")}
+            missing, unexpected = model.load_state_dict(rest, strict=False)
+            if unexpected or set(missing) != {"item.weight", "bias.weight"}:
+                raise GpuwiseError(f"--init-from {prev_dir}: its model's layers differ from this one's")
+            known = set(meta["users"])
+            counts["users"] = {"kept": sum(u in known for u in users), "new": sum(u not in known for u in users)}
     return counts
 
 
 class AllScores(nn.Module):
-    """users -> scores for every item: the one forward a recommender server makes (and exports)."""
+    """users -> scores for every item: the one forward a recommender server makes (and exports). For the
+    sequential model the users' latest items ride along as a buffer, so the graph's input stays user ids."""
 
-    def __init__(self, mf: MatrixFactorization):
+    history: torch.Tensor | None
+
+    def __init__(self, model: Recommenders, history: torch.Tensor | None = None):
         super().__init__()
-        self.mf = mf
+        self.model = model
+        self.register_buffer("history", history, persistent=False)
 
     def forward(self, users: torch.Tensor) -> torch.Tensor:
-        return self.mf.all_scores(users)
+        return self.model.all_scores(users if self.history is None else self.history[users])
 
 
-def load_trained(run_dir: Path) -> tuple[MatrixFactorization, dict]:
+def load_trained(run_dir: Path) -> tuple[AllScores, dict, list[np.ndarray]]:
+    """(users -> every item's score, ids.json, each user's training items oldest first) of a finished run.
+    A run without ids.json's "model" is matrix factorization (trained before the sequential model)."""
     from safetensors.torch import load_model
 
     meta = json.loads((run_dir / "ids.json").read_text())
-    model = MatrixFactorization(len(meta["users"]), len(meta["items"]), meta["dim"])
-    load_model(model, str(run_dir / "model.safetensors"))
-    return model.eval(), meta
+    inter = np.load(run_dir / "train_interactions.npz")
+    user, item = inter["user"], inter["item"]
+    order = np.argsort(user, kind="stable")  # keeps each user's time order
+    user, item = user[order], item[order]
+    bounds = np.searchsorted(user, np.arange(len(meta["users"]) + 1))
+    seen = [item[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    if meta.get("model", "mf") == "sasrec":
+        sasrec = SequentialRecommender(len(meta["items"]), meta["dim"], meta["history"])
+        load_model(sasrec, str(run_dir / "model.safetensors"))
+        scorer = AllScores(sasrec, latest(user, item, len(meta["users"]), sasrec.history))
+    else:
+        mf = MatrixFactorization(len(meta["users"]), len(meta["items"]), meta["dim"])
+        load_model(mf, str(run_dir / "model.safetensors"))
+        scorer = AllScores(mf)
+    return scorer.eval(), meta, seen
+
+
+def describe_model(meta: dict) -> str:
+    where = f"{len(meta['users'])} users x {len(meta['items'])} items"
+    if meta.get("model", "mf") == "sasrec":
+        return f"SASRec over each user's latest {meta['history']} items, {where}"
+    return f"matrix factorization, {where}"
 
 
 def predict(run_dir: Path, cfg, inputs: list[str], k: int = 10, **_) -> list[dict]:
-    model, meta = load_trained(run_dir)
-    inter = np.load(run_dir / "train_interactions.npz")
+    scorer, meta, seen = load_trained(run_dir)
     u_index = {u: n for n, u in enumerate(meta["users"])}
     out = []
     for user in inputs:
@@ -375,8 +599,8 @@ def predict(run_dir: Path, cfg, inputs: list[str], k: int = 10, **_) -> list[dic
         else:
             u = u_index[user]
             with torch.no_grad():
-                scores = model.all_scores(torch.tensor([u]))
-            top = top_k(scores, [inter["item"][inter["user"] == u]], k)[0]
+                scores = scorer(torch.tensor([u]))
+            top = top_k(scores, [seen[u]], k)[0]
             picks, source = [(i, float(scores[0, i])) for i in top], "model"
         out.append(
             {
@@ -419,16 +643,13 @@ class Served:
     workload, batched = "recommender", True
 
     def __init__(self, run_dir: Path, cfg, runtime: str, limits: Limits):
-        model, meta = load_trained(run_dir)
+        scorer, meta, seen = load_trained(run_dir)
         self.items, self.titles, self.popular = meta["items"], meta["titles"], meta["popular"]
         self.user_index = {u: n for n, u in enumerate(meta["users"])}
-        inter = np.load(run_dir / "train_interactions.npz")
-        order = np.argsort(inter["user"], kind="stable")
-        bounds = np.searchsorted(inter["user"][order], np.arange(len(meta["users"]) + 1))
-        self.seen = [np.unique(inter["item"][order][a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        self.seen = [np.unique(s) for s in seen]
         self.limits = limits
-        self.model_name = f"matrix factorization, {len(self.user_index)} users x {len(self.items)} items"
-        self.forward, self.device = run_forward(run_dir, runtime, AllScores(model), torch.long)
+        self.model_name = describe_model(meta)
+        self.forward, self.device = run_forward(run_dir, runtime, scorer, torch.long)
 
     def item(self, i: int, score: float | None) -> dict:
         return {"item": self.items[i], "title": self.titles.get(self.items[i]), "score": score}
@@ -463,19 +684,30 @@ class Served:
 class Recommender(Workload):
     name = "recommender"
     summary = "top-k recommendations from rating history (MovieLens), retrained every week"
-    options = ("init_from",)
+    options = ("init_from", "model")
     inputs = "user ids"
     onnx = OnnxSignature("users", "scores", ("ids.json", "model.safetensors"))
 
     def build(self, cfg, run_dir: Path) -> Training:
         return build(cfg, run_dir)
 
+    def validate(self, cfg) -> None:
+        if cfg.model is not None and cfg.model not in MODELS:
+            raise GpuwiseError(f"--model must be one of {', '.join(MODELS)}, not '{cfg.model}'")
+
+    def check_files(self, cfg) -> None:
+        if cfg.init_from:
+            with loading_model(Path(cfg.init_from), "--init-from"):
+                check_init_from(Path(cfg.init_from), cfg.model or MODELS[0])
+
     def bench_step(self, device, batch: int | None = None) -> BenchStep:
-        batch = batch or 1024
-        model = place(MatrixFactorization(671, 9066), device)  # MovieLens' users and movies
+        """The default model on MovieLens' shapes (671 users, 9,066 movies): `batch` windows of HISTORY items."""
+        batch = batch or 128
+        model = place(SequentialRecommender(9066), device)
         g = torch.Generator().manual_seed(0)
-        u, i = (torch.randint(0, n, (batch,), generator=g).to(device) for n in (671, 9066))
-        return BenchStep(model, lambda: softmax_loss(model, u, i), batch, None)
+        seq = torch.randint(1, 9067, (batch, HISTORY), generator=g).to(device)
+        target = torch.randint(0, 9066, (batch, HISTORY), generator=g).to(device)
+        return BenchStep(model, lambda: sequence_softmax_loss(model, seq, target, HISTORY), batch, None)
 
     def predict(self, run_dir: Path, cfg, inputs: list[str], k: int = 10, **_) -> list[dict]:
         return predict(run_dir, cfg, inputs, k=k)
@@ -491,8 +723,8 @@ class Recommender(Workload):
         return Served(run_dir, cfg, runtime, limits)
 
     def export_model(self, run_dir: Path, cfg):
-        model, meta = load_trained(run_dir)
-        return AllScores(model).eval(), torch.zeros(2, dtype=torch.int64), meta
+        scorer, meta, _ = load_trained(run_dir)
+        return scorer, torch.zeros(2, dtype=torch.int64), meta
 
     def export_inputs(self, cfg, meta: dict, n: int) -> tuple[np.ndarray, str]:
         users = np.unique(np.linspace(0, len(meta["users"]) - 1, n).astype(np.int64))
