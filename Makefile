@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/serve_abuse.py
 	$(BIN)/python benchmarks/cpu_allocator.py
 	$(BIN)/python benchmarks/defects_ablation.py
+	$(BIN)/python benchmarks/recommender_ablation.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -29,13 +29,9 @@ another seed moves (not measured here for every variant: run it with --seed 1 an
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
+
+from ablation import main, train_child
 
 # name: (module switches of gpuwise.workloads.defects, train flags); "model": DefectCNN keywords,
 # "per_image": the child standardizes each image (a change only this benchmark makes).
@@ -89,15 +85,8 @@ sys.exit(main(sys.argv[1:]))
 
 def run(name: str, seed: int, out: Path) -> dict:
     switches, flags = VARIANTS[name]
-    run_dir = out / name
-    argv = ["train", "defects", *flags, "--seed", str(seed), "--run-dir", str(run_dir), "--json"]
-    env = dict(os.environ, GPUWISE_DB=str(out / "runs.sqlite"))
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD.format(switches=switches), *argv], capture_output=True, text=True, env=env
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"{name}: {done.stderr.strip().splitlines()[-1]}")
-    s = json.loads(done.stdout)
+    argv = ["train", "defects", *flags, "--seed", str(seed), "--run-dir", str(out / name), "--json"]
+    s = train_child(CHILD.format(switches=switches), argv, out, name)
     e = s["eval"]
     return {
         "accuracy": e["accuracy"],
@@ -112,24 +101,6 @@ def run(name: str, seed: int, out: Path) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default=",".join(FIRST), help="comma-separated, or all")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        ap.error(f"unknown variant {', '.join(unknown)} (of {', '.join(VARIANTS)})")
-    out = Path(tempfile.mkdtemp(prefix="defects-ablation-"))
-    print(f"ELPV defects, seed {args.seed}, {os.cpu_count()} CPUs; runs in {out}")
-    cols = ("accuracy", "recall", "precision", "threshold", "accuracy@0.5", "recall@0.5", "roc_auc")
-    print(f"{'variant':<15}{'epochs':>7}" + "".join(f"{c:>14}" for c in cols) + f"{'wall':>8}")
-    for name in names:
-        r = run(name, args.seed, out)
-        cells = "".join(f"{r[c]:>14.4f}" for c in cols)
-        print(f"{name:<15}{r['epochs']:>7.0f}{cells}{r['wall_s']:>7.0f}s", flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    cols = ("accuracy", "recall", "precision", "threshold", "accuracy@0.5", "recall@0.5", "roc_auc")
+    main(__doc__, VARIANTS, FIRST, "ELPV defects", run, cols, 14)

@@ -19,13 +19,9 @@ is within what another seed moves (run it with --seed 1 and 2 to see).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
+
+from ablation import main, train_child
 
 # name: (module switches of gpuwise.workloads.recommender, SequentialRecommender keywords, train flags)
 VARIANTS: dict[str, tuple[dict, dict, list[str]]] = {
@@ -61,12 +57,7 @@ sys.exit(main(sys.argv[1:]))
 def run(name: str, seed: int, out: Path) -> dict:
     switches, model_kw, flags = VARIANTS[name]
     argv = ["train", "recommender", *flags, "--seed", str(seed), "--run-dir", str(out / name), "--json"]
-    env = dict(os.environ, GPUWISE_DB=str(out / "runs.sqlite"))
-    child = CHILD.format(switches=switches, model_kw=model_kw)
-    done = subprocess.run([sys.executable, "-c", child, *argv], capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise SystemExit(f"{name}: {done.stderr.strip().splitlines()[-1]}")
-    s = json.loads(done.stdout)
+    s = train_child(CHILD.format(switches=switches, model_kw=model_kw), argv, out, name)
     ease = next(v for k, v in s["baseline"]["also"].items() if k.startswith("EASE"))
     return {
         "recall@10": s["eval"]["recall@10"],
@@ -78,24 +69,7 @@ def run(name: str, seed: int, out: Path) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", default=",".join(FIRST), help="comma-separated, or all")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        ap.error(f"unknown variant {', '.join(unknown)} (of {', '.join(VARIANTS)})")
-    out = Path(tempfile.mkdtemp(prefix="recommender-ablation-"))
-    print(f"MovieLens recommender, seed {args.seed}, {os.cpu_count()} CPUs; runs in {out}")
-    cols = ("recall@10", "ndcg@10", "ease recall", "ease ndcg")
-    print(f"{'variant':<13}{'epochs':>7}" + "".join(f"{c:>13}" for c in cols) + f"{'wall':>8}")
-    for name in names:
-        r = run(name, args.seed, out)
-        cells = "".join(f"{r[c]:>13.4f}" for c in cols)
-        print(f"{name:<13}{r['epochs']:>7.0f}{cells}{r['wall_s']:>7.0f}s", flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    main(
+        __doc__, VARIANTS, FIRST, "MovieLens recommender", run, ("recall@10", "ndcg@10", "ease recall", "ease ndcg"), 13
+    )
