@@ -89,13 +89,15 @@ def test_recommender_metrics_baselines_and_predict(capsys, tmp_path):
 
 def test_past_the_softmax_bound_the_recommender_trains_with_bpr(capsys, tmp_path, monkeypatch):
     """A catalogue past FULL_SOFTMAX_ITEMS trains with BPR (one sampled negative), and the summary says which
-    loss ran: here 60 items against a bound set to 50. The loss of BPR starts at log 2 (scores near zero)."""
+    loss ran: here 60 items against a bound set to 50. The loss of BPR starts near log 2: the sequential model's
+    first scores spread by ~0.16 (a unit-variance hidden state of width 64 against N(0, 0.02) embeddings),
+    which adds ~E[d^2]/8 ~ 0.007 (0.700 measured here, 0.708 in CI after 3 steps)."""
     from gpuwise.workloads import recommender as rec
 
     data = interactions_csv(tmp_path / "ratings.csv")
     monkeypatch.setattr(rec, "FULL_SOFTMAX_ITEMS", 50)
     s = train_json(capsys, "recommender --data {} --batch-size 8 --max-steps 3 --run-dir {}", data, tmp_path / "bpr")
-    assert s["data"]["loss"].startswith("BPR") and s["final_loss"] == pytest.approx(0.693, abs=0.01)
+    assert s["data"]["loss"].startswith("BPR") and s["final_loss"] == pytest.approx(0.70, abs=0.02)
     monkeypatch.setattr(rec, "FULL_SOFTMAX_ITEMS", 60)
     s = train_json(capsys, "recommender --data {} --batch-size 8 --max-steps 3 --run-dir {}", data, tmp_path / "sm")
     assert s["data"]["loss"] == "softmax over all 60 items" and s["final_loss"] == pytest.approx(4.09, abs=0.05)

@@ -10,7 +10,7 @@ import torch
 
 def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules FSDP gathers one at a time: a transformers model's own `_no_split_modules`
-    (its decoder layers), otherwise the top-level children that hold parameters."""
+    (its decoder layers), otherwise the top-level children that hold parameters (a list's members)."""
     names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
     units = [m for m in model.modules() if type(m).__name__ in names]
     if units:
@@ -18,7 +18,11 @@ def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     body = model
     while len(children := list(body.children())) == 1:  # look through wrappers (peft, Sequential of one)
         body = children[0]
-    return [c for c in children if any(True for _ in c.parameters())]
+    # a ModuleList or ModuleDict has no forward of its own, which fully_shard refuses: its members are the units
+    containers, units = torch.nn.ModuleList | torch.nn.ModuleDict, []
+    for c in children:
+        units += list(c.children()) if isinstance(c, containers) else [c]
+    return [u for u in units if any(True for _ in u.parameters())]
 
 
 def fully_shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:

@@ -11,6 +11,7 @@ week's run: known items keep their embeddings, new ones get fresh rows.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -160,21 +161,23 @@ class SequentialRecommender(nn.Module):
             x = block(x)
         return self.norm(x)
 
-    def forward(self, seq: torch.Tensor, items: torch.Tensor | None = None) -> torch.Tensor:
-        """Every item's score after each position, [batch, HISTORY, items]; or, given `items` [batch, HISTORY,
-        n] (index + 1), those items' scores. The catalogue is looked up through the embeddings' own forward:
-        under FSDP only a module call gathers the sharded table."""
+    def forward(self, seq: torch.Tensor, items: torch.Tensor | None = None, last: bool = False) -> torch.Tensor:
+        """Every item's score after each position, [batch, HISTORY, items], or after the whole history only
+        (`last`: [batch, items]); or, given `items` [batch, HISTORY, n] (index + 1), those items' scores. The
+        catalogue is looked up through the embeddings' own forward: under FSDP only a module call gathers the
+        sharded table, and the attention blocks, sharded one by one, gather theirs in their own forward."""
         h = self.hidden(seq)
+        if last:
+            h = h[:, -1]
         if items is None:
             every = torch.arange(1, self.item.num_embeddings, device=seq.device)
             return h @ self.item(every).T + self.bias(every).T
         return (h.unsqueeze(2) * self.item(items)).sum(-1) + self.bias(items).squeeze(-1)
 
     def all_scores(self, seq: torch.Tensor) -> torch.Tensor:
-        """[batch, items]: every item's score after each whole history, read straight from the tables (whole
-        weights: evaluation, serving, the ONNX graph)."""
-        h = self.hidden(seq)[:, -1]
-        return h @ self.item.weight[1:].T + self.bias.weight[1:].T
+        """[batch, items]: every item's score after each whole history (evaluation, serving, the ONNX graph).
+        Through forward, sharded or not: the blocks' own forward is where FSDP gathers their weights."""
+        return self(seq, last=True)
 
 
 Recommenders = MatrixFactorization | SequentialRecommender
@@ -345,7 +348,8 @@ def build(cfg, run_dir: Path) -> Training:
         model.eval()
         raw = model.module if hasattr(model, "module") else model
         scorer = AllScores(raw, history.to(device) if kind == "sasrec" else None)
-        with whole_params(raw):
+        # matrix factorization reads its tables outside forward, which FSDP does not gather by itself
+        with whole_params(raw) if kind == "mf" else contextlib.nullcontext():
             out = score_users(lambda us: scorer(torch.tensor(us, device=device)).float().cpu())
         model.train()
         return out
