@@ -272,14 +272,17 @@ def test_windows_and_latest_read_each_users_items_in_order():
     but a user's first the target of the one before it; and the latest items it reads to recommend."""
     import numpy as np
 
-    from gpuwise.workloads.recommender import latest, windows
+    from gpuwise.workloads.recommender import latest, per_user, windows
 
     user = np.array([0, 0, 0, 0, 0, 1, 1, 2])  # user 2 has one item: no target, no window
     item = np.array([5, 6, 7, 8, 9, 3, 4, 1])
-    inputs, targets = windows(user, item, 3)
+    histories = per_user(user, item, 4)  # user 3 has none
+    inputs, targets = windows(histories, 3)
     assert inputs.tolist() == [[7, 8, 9], [0, 0, 6], [0, 0, 4]]  # index + 1, 0 pads on the left
     assert targets.tolist() == [[7, 8, 9], [-1, -1, 6], [-1, -1, 4]]
-    assert latest(user, item, 4, 3).tolist() == [[8, 9, 10], [0, 4, 5], [0, 0, 2], [0, 0, 0]]
+    assert latest(histories, 3).tolist() == [[8, 9, 10], [0, 4, 5], [0, 0, 2], [0, 0, 0]]
+    # interleaved users: each keeps its own order (a run's train_interactions.npz is read the same way)
+    assert [h.tolist() for h in per_user(np.array([1, 0, 1, 0]), np.array([10, 20, 11, 21]), 2)] == [[20, 21], [10, 11]]
 
 
 def test_product_lm_full_then_lora_on_its_saved_model(capsys, tmp_path):

@@ -275,15 +275,14 @@ def build(cfg, run_dir: Path) -> Training:
     targets = soft if SOFT_TARGETS and soft is not None else labels.astype(np.float32)
     x_train, y_train, t_train = images[train_idx], labels[train_idx], targets[train_idx]
     x_val, y_val = images[val_idx], labels[val_idx]
+    x_test, y_test = images[test_idx], labels[test_idx]
+    model = build_model(cfg)
 
     def mixup(x: np.ndarray, y: np.ndarray, indices, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         partners, w = mixup_partners(indices, seed, epoch, len(x_train))
         other = augment(x_train[partners], partners, seed + 1, epoch).astype(np.float32)
         mixed = w[:, None, None] * x.astype(np.float32) + (1 - w[:, None, None]) * other
         return mixed, w * y + (1 - w) * t_train[partners]
-
-    x_test, y_test = images[test_idx], labels[test_idx]
-    model = build_model(cfg)
 
     def make_batch(indices, epoch):
         x, y = augment(x_train[indices], indices, cfg.seed, epoch), t_train[indices]
