@@ -25,6 +25,13 @@ Variants (each the default run, `gpuwise train defects`, with one change); witho
                (defects.MIXUP = 0.2)
   mixup-0.4    mixup with Beta(0.4, 0.4)
   mixup-192px-60  mixup 0.2, --image-size 192 --epochs 60
+  avg-pool     the last map averaged instead of GeM-pooled (defects.POOL = "avg", the default until 2026-12-02)
+  one-view     the test and validation cells scored on the image alone, not averaged over its 8 flips and
+               turns (defects.VIEWS = 1, the default until 2026-12-02)
+  192px-60-gem  --image-size 192 --epochs 60, with the default GeM pooling and 8 views (~10 minutes)
+  multiscale   --model multiscale: two CNNs, at 128 and 192 px, trained together for 60 epochs; the mean of
+               their probabilities (~15 minutes)
+  multiscale-40  the same for 40 epochs, the 128 px CNN's own number (~10 minutes)
 
 Per variant: accuracy, recall and precision of "defective" at the threshold chosen on the validation cells,
 accuracy and recall at 0.5 (the published figure's rule), ROC-AUC, and the run's wall time. One run per
@@ -59,6 +66,11 @@ VARIANTS: dict[str, tuple[dict, list[str]]] = {
     "mixup": ({"MIXUP": 0.2}, []),
     "mixup-0.4": ({"MIXUP": 0.4}, []),
     "mixup-192px-60": ({"MIXUP": 0.2}, ["--image-size", "192", "--epochs", "60"]),
+    "avg-pool": ({"POOL": "avg"}, []),
+    "one-view": ({"VIEWS": 1}, []),
+    "192px-60-gem": ({}, ["--image-size", "192", "--epochs", "60"]),
+    "multiscale": ({}, ["--model", "multiscale"]),
+    "multiscale-40": ({}, ["--model", "multiscale", "--epochs", "40"]),
 }
 FIRST = ["default", "plain-conv", "20-epochs", "soft", "jitter"]
 

@@ -33,10 +33,11 @@ def cells(tmp_path_factory):
     return image_folder(tmp_path_factory.mktemp("cells"), per_class=8, size=32)
 
 
-@pytest.fixture(scope="module")
-def defects_run(tmp_path_factory, cells):
+@pytest.fixture(scope="module", params=["cnn", "multiscale"])  # multiscale: CNNs at 32 and 48 px, input 48
+def defects_run(tmp_path_factory, cells, request):
     root = tmp_path_factory.mktemp("defects")
-    run = train(root, f"train defects --data {cells} --image-size 32 --batch-size 8 --max-steps 2")
+    flags = f"--image-size 32 --batch-size 8 --max-steps 2 --model {request.param}"
+    run = train(root, f"train defects --data {cells} {flags}")
     export_onnx(run)
     return run
 
@@ -57,8 +58,9 @@ def max_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_defects_onnx_matches_torch_at_every_batch_size(defects_run, cells):
     model = load_torch(defects_run)[2]
+    size = json.loads((defects_run / "labels.json").read_text())["image_size"]
     files = sorted(cells.rglob("*.png"))[::3]  # both class folders
-    x = to_tensor(np.stack([read_image(f, 32) for f in files]))
+    x = to_tensor(np.stack([read_image(f, size) for f in files]))
     forward = onnx_forward(defects_run / "model.onnx")
     graph = onnx.load(str(defects_run / "model.onnx")).graph
     assert [i.name for i in graph.input] == ["images"] and [o.name for o in graph.output] == ["logits"]

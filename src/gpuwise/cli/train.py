@@ -85,7 +85,8 @@ def train(
         str | None,
         typer.Option(
             help="Recommender: sasrec (self-attention over each user's latest items) or mf (matrix "
-            "factorization) [sasrec]."
+            "factorization) [sasrec]. Defects: cnn, or multiscale (two CNNs, at --image-size and 1.5x it, "
+            "60 epochs) [cnn]."
         ),
     ] = None,
     resume: Annotated[
