@@ -181,7 +181,8 @@ class GeM(nn.Module):
 
     def __init__(self, p: float = 3.0, eps: float = 1e-6):
         super().__init__()
-        self.p, self.eps = nn.Parameter(torch.tensor(float(p))), eps
+        # shape [1], not a scalar: FSDP's fully_shard refuses 0-d parameters
+        self.p, self.eps = nn.Parameter(torch.tensor([float(p)])), eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.p.float()
