@@ -12,6 +12,7 @@ transformers' from_pretrained instead.
 from __future__ import annotations
 
 import asyncio
+import copy
 import io
 import json
 from pathlib import Path
@@ -428,6 +429,7 @@ def build(cfg, run_dir: Path) -> Training:
 
     def evaluate(model, device):
         """The threshold from the validation cells, then the test cells at it (and at 0.5, for the record)."""
+        model = for_inference(model) if not cfg.base else model
         model = SymmetricViews(model) if VIEWS == 8 else model
         threshold, why = choose_threshold(predict_proba(model, x_val, device), y_val)
         chosen["threshold"] = threshold
@@ -490,8 +492,22 @@ def load_trained(run_dir: Path, cfg) -> tuple[nn.Module, dict]:
         sizes=meta.get("sizes", [meta["image_size"]]),
     )
     load_model(model, str(run_dir / "model.safetensors"))
-    model = fold_standardization(model)
+    model = fold_standardization(model).to(memory_format=torch.channels_last)
     return (SymmetricViews(model) if meta.get("views", 1) == 8 else model).eval(), meta
+
+
+def for_inference(model: nn.Module) -> nn.Module:
+    """A copy of the trained CNN to score with: standardization folded, and its kernels in channels-last
+    memory, which this CPU's convolutions and max-pools run ~1.5x faster in float32 and ~2.4x in bf16 (measured
+    on 2 Zen 5 cores: 8 views of 32 cells at 128 px, 268 -> 183 ms a forward in float32); the trained module is
+    left as it was, so training and its checkpoints keep their layout. Weights sharded across processes (FSDP)
+    are scored where they are."""
+    from torch.distributed.tensor import DTensor
+
+    raw = getattr(model, "module", model)  # Fabric's wrapper keeps the module it wraps there
+    if any(isinstance(p, DTensor) for p in raw.parameters()):
+        return model
+    return fold_standardization(copy.deepcopy(raw)).to(memory_format=torch.channels_last).eval()
 
 
 @torch.no_grad()
