@@ -33,13 +33,21 @@ def cells(tmp_path_factory):
     return image_folder(tmp_path_factory.mktemp("cells"), per_class=8, size=32)
 
 
-@pytest.fixture(scope="module", params=["cnn", "multiscale"])  # multiscale: CNNs at 32 and 48 px, input 48
-def defects_run(tmp_path_factory, cells, request):
+def defects(tmp_path_factory, cells, model: str) -> Path:
     root = tmp_path_factory.mktemp("defects")
-    flags = f"--image-size 32 --batch-size 8 --max-steps 2 --model {request.param}"
-    run = train(root, f"train defects --data {cells} {flags}")
+    run = train(root, f"train defects --data {cells} --image-size 32 --batch-size 8 --max-steps 2 --model {model}")
     export_onnx(run)
     return run
+
+
+@pytest.fixture(scope="module")
+def defects_run(tmp_path_factory, cells):
+    return defects(tmp_path_factory, cells, "cnn")
+
+
+@pytest.fixture(scope="module")
+def multiscale_run(tmp_path_factory, cells):
+    return defects(tmp_path_factory, cells, "multiscale")  # CNNs at 32 and 48 px, input 48
 
 
 @pytest.fixture(scope="module", params=["sasrec", "mf"])
@@ -56,7 +64,9 @@ def max_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max())
 
 
-def test_defects_onnx_matches_torch_at_every_batch_size(defects_run, cells):
+@pytest.mark.parametrize("which", ["defects_run", "multiscale_run"])
+def test_defects_onnx_matches_torch_at_every_batch_size(which, cells, request):
+    defects_run = request.getfixturevalue(which)
     model = load_torch(defects_run)[2]
     size = json.loads((defects_run / "labels.json").read_text())["image_size"]
     files = sorted(cells.rglob("*.png"))[::3]  # both class folders
@@ -120,16 +130,21 @@ def bad_runs(root: Path, defects_run: Path) -> dict:
     no_weights = root / "no-weights"
     shutil.copytree(defects_run, no_weights)
     (no_weights / "model.safetensors").unlink()
+    edited = root / "edited"
+    shutil.copytree(defects_run, edited)
+    labels = json.loads((edited / "labels.json").read_text())
+    (edited / "labels.json").write_text(json.dumps(labels | {"pool": "max"}))
     return {
         "product-lm": ([str(root / "lm")], "does not apply to product-lm: it serves through torch"),
         "unfinished": ([str(unfinished)], "has not finished training (no summary.json)"),
         "no weights": ([str(no_weights)], "no model.safetensors"),
         "not a run": ([str(root / "nowhere")], "not a gpuwise run directory"),
         "tflite": ([str(defects_run), "--format", "tflite"], "--format tflite: only onnx"),
+        "edited labels": ([str(edited)], "pool 'max' and views 8; this version reads pool 'gem' or 'avg'"),
     }
 
 
-@pytest.mark.parametrize("case", ["product-lm", "unfinished", "no weights", "not a run", "tflite"])
+@pytest.mark.parametrize("case", ["product-lm", "unfinished", "no weights", "not a run", "tflite", "edited labels"])
 def test_bad_requests_are_one_line_and_exit_2(case, defects_run, tmp_path, capsys):
     args, message = bad_runs(tmp_path, defects_run)[case]
     assert main(["export", *args]) == 2

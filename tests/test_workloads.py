@@ -2,6 +2,7 @@
 loaded through the real from_pretrained path from a temp dir."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -33,22 +34,58 @@ SMALL_DEFECTS = "defects --data {} --image-size 32 --batch-size 8"
 SMALL_LM = "product-lm --base scratch --data {} --block-size 32 --batch-size 4"
 
 
-@pytest.mark.parametrize("model", ["cnn", "multiscale"])
-def test_defects_metrics_baseline_and_predict(capsys, cells, tmp_path, model):
-    s = train_json(capsys, SMALL_DEFECTS + f" --max-steps 4 --model {model} --run-dir {{}}", cells, tmp_path / "run")
+def test_defects_metrics_baseline_and_predict(capsys, cells, tmp_path):
+    s = train_json(capsys, SMALL_DEFECTS + " --max-steps 4 --run-dir {}", cells, tmp_path / "run")
     assert {"accuracy", "f1", "recall", "roc_auc", "confusion"} <= set(s["eval"])
     assert s["baseline"]["name"] == "majority class" and s["data"]["classes"] == ["functional", "defective"]
     # stratified 75/25, and one cell of each class of the 24 held back to choose the threshold on
     assert (s["data"]["train"], s["data"]["validation"], s["data"]["test"]) == (22, 2, 8)
     saved = json.loads((tmp_path / "run" / "labels.json").read_text())
     assert saved["threshold"] == s["eval"]["threshold"] and "on 2 validation cells" in s["eval"]["threshold_origin"]
-    assert saved["views"] == 8 and saved["sizes"] == ([32, 48] if model == "multiscale" else [32])
+    assert saved["views"] == 8 and saved["sizes"] == [32]
     code, out, err = cli(capsys, "predict {} {} --json", tmp_path / "run", cells / "defective" / "000.png")
     assert code == 0, err
     [row] = json.loads(out)
     assert 0 <= row["probability"] <= 1 and row["label"] in ("functional", "defective")
     code, out, err = cli(capsys, "predict {} {}", tmp_path / "run", cells / "defective" / "000.png")
     assert code == 0 and "p(defective) = " in out, err
+
+
+def test_multiscale_assembles_members_trained_apart_and_resumes_a_missing_one(capsys, cells, tmp_path):
+    """--model multiscale trains each member as a run of its own (RUN/parts/cnn-SIZEpx, each with its own
+    optimizer, schedule and epochs), then assembles them in a run of no steps: its weights are the
+    members' own. A resume keeps a finished member and trains only the one that is missing."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    s = train_json(capsys, SMALL_DEFECTS + " --max-steps 3 --model multiscale --run-dir {}", cells, run)
+    assert s["steps"] == 0 and s["actual"]["peak_bytes"] is None and s["projection"] == []
+    assert list(s["data"]["parts"]) == ["cnn-32px", "cnn-48px"]
+    whole = load_file(run / "model.safetensors")
+    for n, size in enumerate((32, 48)):
+        part = run / "parts" / f"cnn-{size}px"
+        ps = json.loads((part / "summary.json").read_text())
+        assert ps["steps"] == 3 and json.loads((part / "labels.json").read_text())["sizes"] == [size]
+        assert s["data"]["parts"][f"cnn-{size}px"]["roc_auc"] == ps["eval"]["roc_auc"]
+        own = load_file(part / "model.safetensors")
+        assert own and all(whole[f"members.{n}.{k}"].equal(v) for k, v in own.items())
+    assert len(whole) == 2 * len(own)
+    assert json.loads((run / "labels.json").read_text())["sizes"] == [32, 48]
+    code, out, err = cli(capsys, "predict {} {} --json", run, cells / "defective" / "000.png")
+    assert code == 0 and 0 <= json.loads(out)[0]["probability"] <= 1, err
+
+    kept = (run / "parts" / "cnn-32px" / "summary.json").read_bytes()
+    for name in ("summary.json", "labels.json", "model.safetensors"):
+        (run / name).unlink()
+    shutil.rmtree(run / "parts" / "cnn-48px")
+    code, out, err = cli(capsys, "train --resume {} --json", run)
+    assert code == 0, err
+    assert "part 1 of 2 (cnn-32px) has finished" in err and "part 2 of 2 (cnn-48px), trained in" in err
+    assert (run / "parts" / "cnn-32px" / "summary.json").read_bytes() == kept
+    assert json.loads(out)["data"]["parts"].keys() == {"cnn-32px", "cnn-48px"}
+    assert load_file(run / "model.safetensors")["members.1.head.1.weight"].equal(
+        load_file(run / "parts" / "cnn-48px" / "model.safetensors")["head.1.weight"]
+    )
 
 
 def test_the_threshold_is_the_highest_that_keeps_the_recall():

@@ -24,7 +24,7 @@ from gpuwise.errors import GpuwiseError
 from gpuwise.train import checkpoint, fit, measure, setup
 from gpuwise.train.config import TrainConfig
 from gpuwise.train.engine import make_fabric
-from gpuwise.train.records import load_config
+from gpuwise.train.records import is_finished, load_config
 from gpuwise.train.rng import forward_rng, rng_state, set_forward_rng
 from gpuwise.train.setup import Run, say
 
@@ -84,6 +84,7 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
     rec, claim = setup.claim(cfg, fabric, resume_dir)
     try:
         # --- set-up ---------------------------------------------------------------------------
+        train_parts(cfg, fabric, rec, console)
         run = setup.build(cfg, fabric, accelerator, precision, strategy, rec)
         if resume_dir is not None:
             setup.restore(run)
@@ -97,6 +98,27 @@ def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dic
     finally:
         if claim is not None:
             claim.release()
+
+
+def train_parts(cfg: TrainConfig, fabric, rec, console) -> None:
+    """The runs this one is assembled from (`Workload.parts`), each trained to its end in RUN/parts/NAME
+    before this run builds: one finished before is kept, one interrupted is resumed from its checkpoint.
+    This run's config is saved first, so that `--resume RUN` finds it if a part is interrupted."""
+    parts = cfg.workload_def().parts(cfg)
+    if not parts:
+        return
+    rec.save_config(cfg)
+    for n, (name, part) in enumerate(parts, 1):
+        where = rec.run_dir / "parts" / name
+        if is_finished(where):
+            say(fabric, f"gpuwise: part {n} of {len(parts)} ({name}) has finished: {where}")
+            continue
+        say(fabric, f"gpuwise: part {n} of {len(parts)} ({name}), trained in {where}")
+        if (where / "config.yaml").is_file():
+            resume(where, console=console)
+        else:
+            part.run_dir = str(where)
+            train(part, console=console)
 
 
 def resume(run_dir: Path, console=None) -> dict | None:
@@ -143,7 +165,7 @@ def _train(run: Run, console) -> dict | None:
     # The last step is the one measured: after the first the optimizer states exist, and a profiled step
     # slows the few after it (the scratch Llama's steps ran 164-193 ms after one, 118 before)
     measured_step = total - 1
-    progress = _progress(console, total, step) if fabric.is_global_zero and console else None
+    progress = _progress(console, total, step) if fabric.is_global_zero and console and total else None
     times, loss_value, t_run = [], float("nan"), time.perf_counter()
     before = None
     if work.eval_before and step == 0:
@@ -236,7 +258,8 @@ def _train(run: Run, console) -> dict | None:
         stop.restore()
     if progress:
         progress[0].stop()
-    peak_bytes = mem.read()  # before evaluation, whose batches are not the training step's
+    # before evaluation, whose batches are not the training step's; none for a run of no steps (Training.steps)
+    peak_bytes = mem.read() if total else None
 
     # --- evaluate, save, summarize -------------------------------------------------------------
     evaluation = work.evaluate(model, fabric.device)

@@ -124,8 +124,8 @@ class RunClaim:
         """After a failure: a new run that wrote no checkpoint and logged no step holds nothing worth keeping,
         yet its config.yaml would block the same --run-dir. Remove what it wrote (the directory was absent
         or empty before). A resumed run is the user's and is kept."""
-        if self.resumed or any((self.path / "checkpoints").glob("step-*")):
-            return
+        if self.resumed or any((self.path / "checkpoints").glob("step-*")) or (self.path / "parts").is_dir():
+            return  # parts: runs trained for this one (Workload.parts), which its --resume reuses
         metrics = self.path / "metrics.jsonl"
         if metrics.exists() and any('"loss"' in line for line in metrics.read_text(errors="replace").splitlines()):
             return

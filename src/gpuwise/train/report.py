@@ -97,6 +97,12 @@ def render(console: Console, summary: TrainSummary | dict) -> None:
             console.print(f"[dim]{key}: {s.data[key]}[/]")
     for text in ev.get("samples", []):
         console.print(f"[dim]sample:[/] {text}")
+    for name, part in ((s.data or {}).get("parts") or {}).items():  # the runs it was assembled from
+        scores = ", ".join(f"{k} {_fmt(v, '.4g')}" for k, v in part.items() if k != "wall_s")
+        console.print(f"[dim]part {name}: {scores}; {_fmt(part.get('wall_s'), ',.0f')} s (run dir parts/{name})[/]")
+    if not s.steps:
+        console.print("[dim]no training step of its own: it scored and saved what its parts learned[/]")
+        return
     tp = s.throughput
     speed = f"{tp.samples_per_s:,.1f} samples/s" if tp.samples_per_s else "-"
     if tp.tokens_per_s:

@@ -116,7 +116,9 @@ def build(cfg: TrainConfig, fabric, accelerator: str, precision: str, strategy: 
     steps_per_epoch = work.train_size // cfg.batch_size
     if steps_per_epoch == 0:
         raise GpuwiseError(f"--batch-size {cfg.batch_size} is larger than the {work.train_size} training samples")
-    if cfg.max_steps:
+    if work.steps is not None:
+        total = work.steps
+    elif cfg.max_steps:
         total = cfg.max_steps
     else:
         assert cfg.epochs is not None  # the workload's defaults give it

@@ -77,7 +77,8 @@ def summarize(
 
     from gpuwise.train.report import projection
 
-    summary.projection = projection(summary, cfg.workload_def().convolutional)
+    # a run of no steps of its own (a model assembled from its parts) has no time to project
+    summary.projection = projection(summary, cfg.workload_def().convolutional) if steps else []
     if rank_zero:
         from gpuwise.runs.db import try_record
 

@@ -45,6 +45,9 @@ class Training:
     model_spec: Any = None  # a plan.model.ModelSpec when the analytic planner applies
     info: dict = field(default_factory=dict)  # what the summary should say about data and model
     eval_before: bool = False  # also evaluate before the first step (the "before" of a fine-tune)
+    # The steps this run trains whatever --epochs and --max-steps say; None: those decide. 0 for a model
+    # assembled from its parts (`Workload.parts`): the run scores and saves what they learned.
+    steps: int | None = None
 
 
 class BenchStep(NamedTuple):
@@ -91,6 +94,12 @@ class Workload(ABC):
         another model), in one line, before anything loads. Only before training: a finished run's saved
         config may name files that have moved since."""
         return None
+
+    def parts(self, cfg: Any) -> list[tuple[str, Any]]:
+        """Runs this one is assembled from, as (name, TrainConfig with run_dir unset): the loop trains each
+        to its end in RUN/parts/NAME before it builds this run, which then reads them from there (e.g. the
+        members of an ensemble, trained apart). Default: none."""
+        return []
 
     @abstractmethod
     def build(self, cfg: Any, run_dir: Path) -> Training:

@@ -15,6 +15,7 @@ import asyncio
 import copy
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -262,10 +263,11 @@ def resize(x: torch.Tensor, size: int) -> torch.Tensor:
 
 class MultiScale(nn.Module):
     """CNNs that each read the image at their own size (the input resized down, antialiased, inside the
-    forward, so one image array feeds both); the prediction is the mean of their probabilities. Trained
-    together on the same batches, each on its own loss (`forward(x, members=True)`: one logit per member):
-    no weight is shared; they meet only in the clipped gradient's global norm. Why two sizes: measured
-    here, CNNs trained apart at 128 and 192 px missed fewer of the same cells than two at one size
+    forward, so one image array feeds both); the prediction is the mean of their probabilities.
+    `forward(x, members=True)`: one logit per member. `--model multiscale` trains its members apart, each
+    a run of its own (`Defects.parts`), and assembles them (`assemble`); runs from before 2026-12-02
+    trained them together, each on its own loss. Why two sizes: measured here, CNNs trained apart at 128
+    and 192 px missed fewer of the same cells than two at one size, and than two trained together
     (README, defects quality)."""
 
     def __init__(self, sizes: tuple[int, ...], **cnn: object):
@@ -315,6 +317,9 @@ POOL = "gem"  # how the CNN pools its last map: "gem" (`GeM`, the default) or "a
 VIEWS = 8  # test-time views averaged (`SymmetricViews`): 8, or 1 for the plain model as runs before 2026-12-02
 MODELS = ("cnn", "multiscale")  # --model: one CNN at --image-size; or two, at it and at SCALE x it
 SCALE = 1.5  # multiscale's second member: 128 -> 192 px
+# multiscale's members' epochs, unless --epochs says: the first's own default (40); the second 60, the number
+# that gave the 192 px CNN 0.882 at 0.5 alone (README, defects quality)
+PART_EPOCHS = (None, 60)
 
 
 def _crop(im: np.ndarray, r: np.random.Generator) -> np.ndarray:
@@ -386,6 +391,40 @@ def predict_proba(model: nn.Module, images: np.ndarray, device, batch: int = 32)
     return np.concatenate(out) if out else np.zeros(0)
 
 
+def part_name(size: int) -> str:
+    return f"cnn-{size}px"
+
+
+def parts(cfg) -> list[tuple[str, object]]:
+    """multiscale's members, each a `--model cnn` run at its own size, trained apart."""
+    if (cfg.model or MODELS[0]) != "multiscale":
+        return []
+    out = []
+    for size, epochs in zip(member_sizes(cfg), PART_EPOCHS, strict=True):
+        out.append((part_name(size), replace(cfg, model="cnn", image_size=size, epochs=cfg.epochs or epochs)))
+    return out
+
+
+def assemble(run_dir: Path, sizes: tuple[int, ...]) -> tuple[MultiScale, dict]:
+    """The multiscale model from its members' finished runs (RUN/parts/cnn-SIZEpx), and what each reached."""
+    from safetensors.torch import load_model
+
+    kinds, reached = set(), {}
+    for size in sizes:
+        part = run_dir / "parts" / part_name(size)
+        kinds.add(recorded_layout(json.loads((part / "labels.json").read_text()), part)[:2])
+        e = json.loads((part / "summary.json").read_text())
+        reached[part_name(size)] = {k: e["eval"].get(k) for k in ("accuracy@0.5", "roc_auc", "recall")}
+        reached[part_name(size)] |= {"wall_s": e.get("wall_s")}
+    if len(kinds) != 1:
+        raise GpuwiseError(f"{run_dir / 'parts'}: the members' convolutions or pooling differ ({sorted(kinds)})")
+    ((standardized, pool),) = kinds
+    model = MultiScale(sizes, standardized=standardized, pool=pool)
+    for member, size in zip(model.members, sizes, strict=True):
+        load_model(member, str(run_dir / "parts" / part_name(size) / "model.safetensors"))
+    return model, reached
+
+
 def build(cfg, run_dir: Path) -> Training:
     sizes = member_sizes(cfg)
     size = sizes[-1]  # the largest: smaller members resize it down in their forward
@@ -402,7 +441,11 @@ def build(cfg, run_dir: Path) -> Training:
     x_train, y_train, t_train = images[train_idx], labels[train_idx], targets[train_idx]
     x_val, y_val = images[val_idx], labels[val_idx]
     x_test, y_test = images[test_idx], labels[test_idx]
-    model = build_model(cfg)
+    model: nn.Module
+    if len(sizes) > 1:  # its members trained apart, as runs of their own (`parts`); this run assembles them
+        model, info["parts"] = assemble(run_dir, sizes)
+    else:
+        model = build_model(cfg)
 
     def mixup(x: np.ndarray, y: np.ndarray, indices, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         partners, w = mixup_partners(indices, seed, epoch, len(x_train))
@@ -466,10 +509,11 @@ def build(cfg, run_dir: Path) -> Training:
         evaluate,
         save,
         # 40 epochs: 87.0-88.1 % accuracy at 0.5 over seeds 0-2, ~3 min of training on 2 Zen 5 cores (README,
-        # defects quality); multiscale: 60, the number its 192 px member reached 88.2 % with alone
-        defaults={"epochs": 60 if len(sizes) > 1 else 40, "batch_size": 32, "lr": 2e-3},
+        # defects quality); multiscale's epochs are its parts' (PART_EPOCHS)
+        defaults={"batch_size": 32, "lr": 2e-3} | ({} if len(sizes) > 1 else {"epochs": 40}),
         baseline=baseline,
         info=info,
+        steps=0 if len(sizes) > 1 else None,
     )
 
 
@@ -480,20 +524,32 @@ def save_weights(model: nn.Module, run_dir: Path) -> list[str]:
     return ["model.safetensors"]
 
 
+def recorded_layout(meta: dict, where: Path) -> tuple[bool, str, int]:
+    """How a run's CNN was built and is scored, from its labels.json: weight-standardized convolutions, the
+    pooling, the test-time views. Runs from before these keys: plain convolutions, average pooling, one view.
+    The same tensors would load into either convolution: only the run's own record says which it trained."""
+    pool, views = meta.get("pool", "avg"), meta.get("views", 1)
+    if pool not in ("gem", "avg") or views not in (1, 8):
+        raise GpuwiseError(
+            f"{where / 'labels.json'}: pool {pool!r} and views {views!r}; this version reads "
+            "pool 'gem' or 'avg' and views 8 or 1"
+        )
+    return bool(meta.get("weight_standardization")), pool, views
+
+
 def load_trained(run_dir: Path, cfg) -> tuple[nn.Module, dict]:
     from safetensors.torch import load_model
 
     meta = json.loads((run_dir / "labels.json").read_text())
-    # the same tensors would load into either convolution; only the run's own record says which it trained
-    model = build_model(
-        cfg,
-        standardized=bool(meta.get("weight_standardization")),
-        pool=meta.get("pool", "avg"),
-        sizes=meta.get("sizes", [meta["image_size"]]),
-    )
+    standardized, pool, views = recorded_layout(meta, run_dir)
+    model = build_model(cfg, standardized=standardized, pool=pool, sizes=meta.get("sizes", [meta["image_size"]]))
     load_model(model, str(run_dir / "model.safetensors"))
-    model = fold_standardization(model).to(memory_format=torch.channels_last)
-    return (SymmetricViews(model) if meta.get("views", 1) == 8 else model).eval(), meta
+    model = channels_last(fold_standardization(model))
+    return (SymmetricViews(model) if views == 8 else model).eval(), meta
+
+
+def channels_last(model: nn.Module) -> nn.Module:
+    return model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stubs omit it
 
 
 def for_inference(model: nn.Module) -> nn.Module:
@@ -507,7 +563,7 @@ def for_inference(model: nn.Module) -> nn.Module:
     raw = getattr(model, "module", model)  # Fabric's wrapper keeps the module it wraps there
     if any(isinstance(p, DTensor) for p in raw.parameters()):
         return model
-    return fold_standardization(copy.deepcopy(raw)).to(memory_format=torch.channels_last).eval()
+    return channels_last(fold_standardization(copy.deepcopy(raw))).eval()
 
 
 @torch.no_grad()
@@ -681,6 +737,9 @@ class Defects(Workload):
             raise GpuwiseError("--model multiscale trains its own CNNs; it cannot fine-tune --base")
         if cfg.image_size < MIN_IMAGE and not cfg.base:
             raise GpuwiseError(f"--image-size {cfg.image_size} is below {MIN_IMAGE}: the CNN halves an image 5 times")
+
+    def parts(self, cfg) -> list[tuple[str, object]]:
+        return parts(cfg)
 
     def build(self, cfg, run_dir: Path) -> Training:
         return build(cfg, run_dir)
