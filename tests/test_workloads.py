@@ -60,13 +60,13 @@ def test_multiscale_assembles_members_trained_apart_and_resumes_a_missing_one(ca
     run = tmp_path / "run"
     s = train_json(capsys, SMALL_DEFECTS + " --max-steps 3 --model multiscale --run-dir {}", cells, run)
     assert s["steps"] == 0 and s["actual"]["peak_bytes"] is None and s["projection"] == []
-    assert list(s["data"]["parts"]) == ["cnn-32px", "cnn-48px"]
+    assert list(s["data"]["parts"]) == ["cnn-32px-seed0", "cnn-48px-seed0"]
     whole = load_file(run / "model.safetensors")
     for n, size in enumerate((32, 48)):
-        part = run / "parts" / f"cnn-{size}px"
+        part = run / "parts" / f"cnn-{size}px-seed0"
         ps = json.loads((part / "summary.json").read_text())
         assert ps["steps"] == 3 and json.loads((part / "labels.json").read_text())["sizes"] == [size]
-        assert s["data"]["parts"][f"cnn-{size}px"]["roc_auc"] == ps["eval"]["roc_auc"]
+        assert s["data"]["parts"][part.name]["roc_auc"] == ps["eval"]["roc_auc"]
         own = load_file(part / "model.safetensors")
         assert own and all(whole[f"members.{n}.{k}"].equal(v) for k, v in own.items())
     assert len(whole) == 2 * len(own)
@@ -74,18 +74,39 @@ def test_multiscale_assembles_members_trained_apart_and_resumes_a_missing_one(ca
     code, out, err = cli(capsys, "predict {} {} --json", run, cells / "defective" / "000.png")
     assert code == 0 and 0 <= json.loads(out)[0]["probability"] <= 1, err
 
-    kept = (run / "parts" / "cnn-32px" / "summary.json").read_bytes()
+    kept = (run / "parts" / "cnn-32px-seed0" / "summary.json").read_bytes()
     for name in ("summary.json", "labels.json", "model.safetensors"):
         (run / name).unlink()
-    shutil.rmtree(run / "parts" / "cnn-48px")
+    shutil.rmtree(run / "parts" / "cnn-48px-seed0")
     code, out, err = cli(capsys, "train --resume {} --json", run)
     assert code == 0, err
-    assert "part 1 of 2 (cnn-32px) has finished" in err and "part 2 of 2 (cnn-48px), trained in" in err
-    assert (run / "parts" / "cnn-32px" / "summary.json").read_bytes() == kept
-    assert json.loads(out)["data"]["parts"].keys() == {"cnn-32px", "cnn-48px"}
+    assert "part 1 of 2 (cnn-32px-seed0) has finished" in err and "part 2 of 2 (cnn-48px-seed0), trained" in err
+    assert (run / "parts" / "cnn-32px-seed0" / "summary.json").read_bytes() == kept
+    assert json.loads(out)["data"]["parts"].keys() == {"cnn-32px-seed0", "cnn-48px-seed0"}
     assert load_file(run / "model.safetensors")["members.1.head.1.weight"].equal(
-        load_file(run / "parts" / "cnn-48px" / "model.safetensors")["head.1.weight"]
+        load_file(run / "parts" / "cnn-48px-seed0" / "model.safetensors")["head.1.weight"]
     )
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ({}, []),
+        ({"model": "multiscale"}, [("cnn-128px-seed3", 128, 3, None), ("cnn-192px-seed3", 192, 3, 60)]),
+        ({"model": "ensemble"}, [("cnn-192px-seed3", 192, 3, 60), ("cnn-192px-seed4", 192, 4, 60)]),
+        ({"model": "ensemble", "epochs": 5.0}, [("cnn-192px-seed3", 192, 3, 5.0), ("cnn-192px-seed4", 192, 4, 5.0)]),
+        ({"model": "multiscale", "image_size": 64}, [("cnn-64px-seed3", 64, 3, None), ("cnn-96px-seed3", 96, 3, None)]),
+    ],
+)
+def test_the_members_of_a_multi_cnn_model_are_runs_of_their_own_size_seed_and_epochs(flags, expected):
+    """Each member is a plain CNN run: its own size and seed; 60 epochs at 192 px or more unless --epochs
+    says, else the CNN's own default (None: filled in by its build)."""
+    from gpuwise.train.config import TrainConfig
+
+    cfg = TrainConfig(workload="defects", seed=3, **flags)
+    got = cfg.workload_def().parts(cfg)
+    assert [(n, p.image_size, p.seed, p.epochs) for n, p in got] == expected
+    assert all(p.model == "cnn" and p.run_dir is None for _, p in got)
 
 
 def test_the_threshold_is_the_highest_that_keeps_the_recall():
@@ -452,7 +473,8 @@ def test_missing_column_and_empty_files(capsys, tmp_path):
     ("train defects --micro-batch-size lots", "--micro-batch-size must be a positive integer or auto"),
     ("train recommender --method lora", "applies to product-lm only"),
     ("train recommender --model gru", "--model must be one of sasrec, mf, not 'gru'"),
-    ("train defects --model mf", "--model must be one of cnn, multiscale, not 'mf'"),
+    ("train defects --model mf", "--model must be one of cnn, multiscale, ensemble, not 'mf'"),
+    ("train defects --model ensemble --base some/model", "--model ensemble trains its own CNNs"),
     ("train product-lm --model multiscale", "--model applies to defects, recommender only"),
     ("train defects --model multiscale --base some/model", "--model multiscale trains its own CNNs"),
     ("train product-lm --method full --merge", "--merge folds a LoRA/QLoRA adapter"),

@@ -85,8 +85,9 @@ def train(
         str | None,
         typer.Option(
             help="Recommender: sasrec (self-attention over each user's latest items) or mf (matrix "
-            "factorization) [sasrec]. Defects: cnn, or multiscale (two CNNs, at --image-size and 1.5x it, "
-            "60 epochs) [cnn]."
+            "factorization) [sasrec]. Defects: cnn; multiscale (two CNNs trained apart, at --image-size and 1.5x "
+            "it); or ensemble (two at 1.5x --image-size, seeds --seed and --seed + 1); each member a run of its "
+            "own in RUN/parts, 60 epochs at 192 px or more [cnn]."
         ),
     ] = None,
     resume: Annotated[

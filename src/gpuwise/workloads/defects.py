@@ -315,11 +315,15 @@ MIXUP = 0.0  # mixup (Zhang et al. 2018): each image blended with another, weigh
 WEIGHT_STANDARDIZATION = True
 POOL = "gem"  # how the CNN pools its last map: "gem" (`GeM`, the default) or "avg" (runs trained before)
 VIEWS = 8  # test-time views averaged (`SymmetricViews`): 8, or 1 for the plain model as runs before 2026-12-02
-MODELS = ("cnn", "multiscale")  # --model: one CNN at --image-size; or two, at it and at SCALE x it
-SCALE = 1.5  # multiscale's second member: 128 -> 192 px
-# multiscale's members' epochs, unless --epochs says: the first's own default (40); the second 60, the number
-# that gave the 192 px CNN 0.882 at 0.5 alone (README, defects quality)
-PART_EPOCHS = (None, 60)
+MODELS = ("cnn", "multiscale", "ensemble")  # --model: one CNN at --image-size, or several (MEMBERS)
+# The CNNs of --model multiscale and ensemble, each trained apart as a run of its own (`parts`), then averaged:
+# (its image size as a multiple of --image-size, its seed's offset from --seed). Measured here (README,
+# defects quality): at 128 and 192 px they err on more different cells than two at 128 px; two at 192 px
+# with different seeds score best.
+MEMBERS = {"multiscale": ((1.0, 0), (1.5, 0)), "ensemble": ((1.5, 0), (1.5, 1))}
+# Members of 192 px or more train 60 epochs unless --epochs says (the number that gave a 192 px CNN 0.876-0.893
+# at 0.5 over seeds 0-2); smaller ones the CNN's own default, 40
+LARGE, LARGE_EPOCHS = 192, 60
 
 
 def _crop(im: np.ndarray, r: np.random.Generator) -> np.ndarray:
@@ -359,11 +363,15 @@ def mixup_partners(indices, seed: int, epoch: int, n: int) -> tuple[np.ndarray, 
     return partners, np.maximum(weights, 1 - weights)  # the sample itself keeps the larger share
 
 
+def members(cfg) -> list[tuple[int, int]]:
+    """(image size, seed) of each CNN of the run."""
+    spec = MEMBERS.get(cfg.model or MODELS[0], ((1.0, 0),))
+    return [(int(round(cfg.image_size * scale)), cfg.seed + offset) for scale, offset in spec]
+
+
 def member_sizes(cfg) -> tuple[int, ...]:
-    """The image size each CNN of the run reads; the last is the size images are loaded at."""
-    if (cfg.model or MODELS[0]) == "multiscale":
-        return (cfg.image_size, int(round(cfg.image_size * SCALE)))
-    return (cfg.image_size,)
+    """The image size each CNN of the run reads; the largest is the size images are loaded at."""
+    return tuple(size for size, _ in members(cfg))
 
 
 def build_model(
@@ -391,43 +399,49 @@ def predict_proba(model: nn.Module, images: np.ndarray, device, batch: int = 32)
     return np.concatenate(out) if out else np.zeros(0)
 
 
-def part_name(size: int) -> str:
-    return f"cnn-{size}px"
+def part_name(size: int, seed: int) -> str:
+    return f"cnn-{size}px-seed{seed}"
 
 
 def parts(cfg) -> list[tuple[str, object]]:
-    """multiscale's members, each a `--model cnn` run at its own size, trained apart."""
-    if (cfg.model or MODELS[0]) != "multiscale":
+    """The members of multiscale and ensemble, each a `--model cnn` run of its own size and seed."""
+    if len(found := members(cfg)) == 1:
         return []
-    out = []
-    for size, epochs in zip(member_sizes(cfg), PART_EPOCHS, strict=True):
-        out.append((part_name(size), replace(cfg, model="cnn", image_size=size, epochs=cfg.epochs or epochs)))
-    return out
+    return [
+        (
+            part_name(size, seed),
+            replace(cfg, model="cnn", image_size=size, seed=seed, epochs=cfg.epochs or epochs(size)),
+        )
+        for size, seed in found
+    ]
 
 
-def assemble(run_dir: Path, sizes: tuple[int, ...]) -> tuple[MultiScale, dict]:
-    """The multiscale model from its members' finished runs (RUN/parts/cnn-SIZEpx), and what each reached."""
+def epochs(size: int) -> int | None:
+    return LARGE_EPOCHS if size >= LARGE else None
+
+
+def assemble(run_dir: Path, cfg) -> tuple[MultiScale, dict]:
+    """The run's CNNs loaded from their members' finished runs (RUN/parts/NAME), and what each reached."""
     from safetensors.torch import load_model
 
-    kinds, reached = set(), {}
-    for size in sizes:
-        part = run_dir / "parts" / part_name(size)
+    kinds, reached, names = set(), {}, [part_name(size, seed) for size, seed in members(cfg)]
+    for name in names:
+        part = run_dir / "parts" / name
         kinds.add(recorded_layout(json.loads((part / "labels.json").read_text()), part)[:2])
         e = json.loads((part / "summary.json").read_text())
-        reached[part_name(size)] = {k: e["eval"].get(k) for k in ("accuracy@0.5", "roc_auc", "recall")}
-        reached[part_name(size)] |= {"wall_s": e.get("wall_s")}
+        reached[name] = {k: e["eval"].get(k) for k in ("accuracy@0.5", "roc_auc", "recall")} | {"wall_s": e["wall_s"]}
     if len(kinds) != 1:
         raise GpuwiseError(f"{run_dir / 'parts'}: the members' convolutions or pooling differ ({sorted(kinds)})")
     ((standardized, pool),) = kinds
-    model = MultiScale(sizes, standardized=standardized, pool=pool)
-    for member, size in zip(model.members, sizes, strict=True):
-        load_model(member, str(run_dir / "parts" / part_name(size) / "model.safetensors"))
+    model = MultiScale(member_sizes(cfg), standardized=standardized, pool=pool)
+    for member, name in zip(model.members, names, strict=True):
+        load_model(member, str(run_dir / "parts" / name / "model.safetensors"))
     return model, reached
 
 
 def build(cfg, run_dir: Path) -> Training:
     sizes = member_sizes(cfg)
-    size = sizes[-1]  # the largest: smaller members resize it down in their forward
+    size = max(sizes)  # smaller members resize it down in their forward
     if cfg.data:
         images, labels, info = load_folder(Path(cfg.data), size)
     else:
@@ -443,7 +457,7 @@ def build(cfg, run_dir: Path) -> Training:
     x_test, y_test = images[test_idx], labels[test_idx]
     model: nn.Module
     if len(sizes) > 1:  # its members trained apart, as runs of their own (`parts`); this run assembles them
-        model, info["parts"] = assemble(run_dir, sizes)
+        model, info["parts"] = assemble(run_dir, cfg)
     else:
         model = build_model(cfg)
 
@@ -509,7 +523,7 @@ def build(cfg, run_dir: Path) -> Training:
         evaluate,
         save,
         # 40 epochs: 87.0-88.1 % accuracy at 0.5 over seeds 0-2, ~3 min of training on 2 Zen 5 cores (README,
-        # defects quality); multiscale's epochs are its parts' (PART_EPOCHS)
+        # defects quality); multiscale's and ensemble's epochs are their parts' (`epochs`)
         defaults={"batch_size": 32, "lr": 2e-3} | ({} if len(sizes) > 1 else {"epochs": 40}),
         baseline=baseline,
         info=info,
@@ -733,8 +747,8 @@ class Defects(Workload):
     def validate(self, cfg) -> None:
         if cfg.model is not None and cfg.model not in MODELS:
             raise GpuwiseError(f"--model must be one of {', '.join(MODELS)}, not '{cfg.model}'")
-        if cfg.model == "multiscale" and cfg.base:
-            raise GpuwiseError("--model multiscale trains its own CNNs; it cannot fine-tune --base")
+        if cfg.model in MEMBERS and cfg.base:
+            raise GpuwiseError(f"--model {cfg.model} trains its own CNNs; it cannot fine-tune --base")
         if cfg.image_size < MIN_IMAGE and not cfg.base:
             raise GpuwiseError(f"--image-size {cfg.image_size} is below {MIN_IMAGE}: the CNN halves an image 5 times")
 
