@@ -86,6 +86,11 @@ def test_multiscale_assembles_members_trained_apart_and_resumes_a_missing_one(ca
     assert load_file(run / "model.safetensors")["members.1.head.1.weight"].equal(
         load_file(run / "parts" / "cnn-48px-seed0" / "model.safetensors")["head.1.weight"]
     )
+    (run / "summary.json").unlink()  # a member whose weights no longer load: one line, nothing trained again
+    weights = run / "parts" / "cnn-32px-seed0" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    code, out, err = cli(capsys, "train --resume {}", run)
+    assert code == 2 and err.strip().splitlines()[-1].startswith(f"gpuwise: error: {weights.parent}: cannot load")
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from fastapi import File, UploadFile  # at module level: FastAPI resolves the ro
 from pydantic import BaseModel, Field
 from torch import nn
 
-from gpuwise.errors import GpuwiseError, first_line
+from gpuwise.errors import GpuwiseError, first_line, loading_model
 from gpuwise.workloads import metrics
 from gpuwise.workloads.base import BenchStep, OnnxSignature, Training, Workload, place
 from gpuwise.workloads.serving import ClientError, Limits, ServeContext, run_forward
@@ -427,15 +427,18 @@ def assemble(run_dir: Path, cfg) -> tuple[MultiScale, dict]:
     kinds, reached, names = set(), {}, [part_name(size, seed) for size, seed in members(cfg)]
     for name in names:
         part = run_dir / "parts" / name
-        kinds.add(recorded_layout(json.loads((part / "labels.json").read_text()), part)[:2])
-        e = json.loads((part / "summary.json").read_text())
-        reached[name] = {k: e["eval"].get(k) for k in ("accuracy@0.5", "roc_auc", "recall")} | {"wall_s": e["wall_s"]}
+        with loading_model(part):
+            kinds.add(recorded_layout(json.loads((part / "labels.json").read_text()), part)[:2])
+            e = json.loads((part / "summary.json").read_text())
+            reached[name] = {k: e["eval"].get(k) for k in ("accuracy@0.5", "roc_auc", "recall")}
+            reached[name]["wall_s"] = e["wall_s"]
     if len(kinds) != 1:
         raise GpuwiseError(f"{run_dir / 'parts'}: the members' convolutions or pooling differ ({sorted(kinds)})")
     ((standardized, pool),) = kinds
     model = MultiScale(member_sizes(cfg), standardized=standardized, pool=pool)
     for member, name in zip(model.members, names, strict=True):
-        load_model(member, str(run_dir / "parts" / name / "model.safetensors"))
+        with loading_model(run_dir / "parts" / name):
+            load_model(member, str(run_dir / "parts" / name / "model.safetensors"))
     return model, reached
 
 
