@@ -148,6 +148,19 @@ def test_two_processes_give_the_same_weights_as_one(cells, tmp_path):
 
 
 @pytest.mark.slow
+def test_two_processes_train_the_members_of_a_multi_cnn_model_then_assemble_them(cells, tmp_path):
+    """Every process trains each member in turn, then all read the members' files the first one wrote
+    (without a barrier after each member, the second process read a summary.json not yet written)."""
+    run = tmp_path / "run"
+    torchrun(defects_args(cells, run, "--max-steps", "2", "--image-size", "32", "--model", "multiscale",
+                          "--devices", "2"), 29522)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 0 and summary["device"] == "cpu x 2"
+    for part in ("cnn-32px-seed0", "cnn-48px-seed0"):
+        assert json.loads((run / "parts" / part / "summary.json").read_text())["device"] == "cpu x 2"
+
+
+@pytest.mark.slow
 def test_fsdp_on_two_processes_matches_one_and_resumes_from_its_shards(cells, tmp_path):
     common = ("--max-steps", "6", "--checkpoint-every", "2", "--accelerator", "cpu", *EXACT)
     one = run_cli(defects_args(cells, tmp_path / "one", *common))

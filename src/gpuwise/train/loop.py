@@ -119,6 +119,7 @@ def train_parts(cfg: TrainConfig, fabric, rec, console) -> None:
         else:
             part.run_dir = str(where)
             train(part, console=console)
+        fabric.barrier()  # the first process writes the part's summary.json last; the others read it next
 
 
 def resume(run_dir: Path, console=None) -> dict | None:
