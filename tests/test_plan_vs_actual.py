@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from train_data import image_folder
+
 TOLERANCE = 0.10
 
 RUNS = {
@@ -33,6 +35,9 @@ RUNS = {
 @pytest.mark.parametrize("workload", list(RUNS))
 def test_planned_memory_is_within_10_percent_of_the_measured_step(workload, tmp_path):
     args, method = RUNS[workload]
+    if workload == "defects":  # a step's memory depends on the image size, not on whose images: 48 at 128 px
+        # spare the run ELPV's 2,624 images, which its evaluation would score 8 views each
+        args = [*args, "--data", str(image_folder(tmp_path / "cells", per_class=24, size=128))]
     env = dict(os.environ, OMP_NUM_THREADS="1", GPUWISE_DB=str(tmp_path / "runs.sqlite"))
     done = subprocess.run(
         [
