@@ -33,6 +33,8 @@ Variants (each the default run, `gpuwise train defects`, with one change); witho
                run of its own; the mean of their probabilities (~13 minutes; before 2026-12-02 trained
                together for 60 epochs)
   multiscale-40  the same, both for 40 epochs (~10 minutes)
+  ensemble     --model ensemble: three CNNs at 192 px, 60 epochs, seeds N to N+2, trained apart; the mean of
+               their probabilities (~30 minutes)
 
 Per variant: accuracy, recall and precision of "defective" at the threshold chosen on the validation cells,
 accuracy and recall at 0.5 (the published figure's rule), ROC-AUC, and the run's wall time. One run per
@@ -72,6 +74,7 @@ VARIANTS: dict[str, tuple[dict, list[str]]] = {
     "192px-60-gem": ({}, ["--image-size", "192", "--epochs", "60"]),
     "multiscale": ({}, ["--model", "multiscale"]),
     "multiscale-40": ({}, ["--model", "multiscale", "--epochs", "40"]),
+    "ensemble": ({}, ["--model", "ensemble"]),
 }
 FIRST = ["default", "plain-conv", "20-epochs", "soft", "jitter"]
 

@@ -98,8 +98,11 @@ def test_multiscale_assembles_members_trained_apart_and_resumes_a_missing_one(ca
     [
         ({}, []),
         ({"model": "multiscale"}, [("cnn-128px-seed3", 128, 3, None), ("cnn-192px-seed3", 192, 3, 60)]),
-        ({"model": "ensemble"}, [("cnn-192px-seed3", 192, 3, 60), ("cnn-192px-seed4", 192, 4, 60)]),
-        ({"model": "ensemble", "epochs": 5.0}, [("cnn-192px-seed3", 192, 3, 5.0), ("cnn-192px-seed4", 192, 4, 5.0)]),
+        ({"model": "ensemble"}, [("cnn-192px-seed3", 192, 3, 60), ("cnn-192px-seed4", 192, 4, 60),
+                                 ("cnn-192px-seed5", 192, 5, 60)]),
+        ({"model": "ensemble", "epochs": 5.0, "image_size": 64}, [("cnn-96px-seed3", 96, 3, 5.0),
+                                                                  ("cnn-96px-seed4", 96, 4, 5.0),
+                                                                  ("cnn-96px-seed5", 96, 5, 5.0)]),
         ({"model": "multiscale", "image_size": 64}, [("cnn-64px-seed3", 64, 3, None), ("cnn-96px-seed3", 96, 3, None)]),
     ],
 )

@@ -86,7 +86,7 @@ def train(
         typer.Option(
             help="Recommender: sasrec (self-attention over each user's latest items) or mf (matrix "
             "factorization) [sasrec]. Defects: cnn; multiscale (two CNNs trained apart, at --image-size and 1.5x "
-            "it); or ensemble (two at 1.5x --image-size, seeds --seed and --seed + 1); each member a run of its "
+            "it); or ensemble (three at 1.5x --image-size, seeds --seed to --seed + 2); each member a run of its "
             "own in RUN/parts, 60 epochs at 192 px or more [cnn]."
         ),
     ] = None,
