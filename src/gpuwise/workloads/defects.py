@@ -322,7 +322,7 @@ MODELS = ("cnn", "multiscale", "ensemble")  # --model: one CNN at --image-size, 
 # 0.884-0.890 over the 4 triples of seeds 0-3 (two: 0.879-0.893).
 MEMBERS = {"multiscale": ((1.0, 0), (1.5, 0)), "ensemble": ((1.5, 0), (1.5, 1), (1.5, 2))}
 # Members of 192 px or more train 60 epochs unless --epochs says (the number that gave a 192 px CNN 0.876-0.893
-# at 0.5 over seeds 0-2); smaller ones the CNN's own default, 40
+# at 0.5 over seeds 0-3); smaller ones the CNN's own default, 40
 LARGE, LARGE_EPOCHS = 192, 60
 
 
@@ -570,17 +570,17 @@ def channels_last(model: nn.Module) -> nn.Module:
 
 
 def for_inference(model: nn.Module) -> nn.Module:
-    """A copy of the trained CNN to score with: standardization folded, and its kernels in channels-last
-    memory, which this CPU's convolutions and max-pools run ~1.5x faster in float32 and ~2.4x in bf16 (measured
-    on 2 Zen 5 cores: 8 views of 32 cells at 128 px, 268 -> 183 ms a forward in float32); the trained module is
-    left as it was, so training and its checkpoints keep their layout. Weights sharded across processes (FSDP)
-    are scored where they are."""
+    """A copy of the trained CNN to score with, as `predict` and `serve` load it: in float32 (bf16 weights
+    upcast exactly), standardization folded, and its kernels in channels-last memory, which this CPU's
+    convolutions and max-pools run ~1.5x faster in float32 (measured on 2 Zen 5 cores: 8 views of 32 cells at
+    128 px, 268 -> 183 ms a forward). The trained module is left as it was, so training and its checkpoints
+    keep their layout. Weights sharded across processes (FSDP) are scored where they are."""
     from torch.distributed.tensor import DTensor
 
     raw = getattr(model, "module", model)  # Fabric's wrapper keeps the module it wraps there
     if any(isinstance(p, DTensor) for p in raw.parameters()):
         return model
-    return channels_last(fold_standardization(copy.deepcopy(raw))).eval()
+    return channels_last(fold_standardization(copy.deepcopy(raw))).float().eval()
 
 
 @torch.no_grad()
