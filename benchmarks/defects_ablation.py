@@ -30,11 +30,11 @@ Variants (each the default run, `gpuwise train defects`, with one change); witho
                turns (defects.VIEWS = 1, the default until 2026-12-02)
   192px-60-gem  --image-size 192 --epochs 60, with the default GeM pooling and 8 views (~10 minutes)
   multiscale   --model multiscale: two CNNs trained apart, at 128 px for 40 epochs and at 192 px for 60, each a
-               run of its own; the mean of their probabilities (~13 minutes; before 2026-12-02 trained
+               run of its own; the mean of their probabilities (~12 minutes; before 2026-12-02 trained
                together for 60 epochs)
   multiscale-40  the same, both for 40 epochs (~10 minutes)
   ensemble     --model ensemble: three CNNs at 192 px, 60 epochs, seeds N to N+2, trained apart; the mean of
-               their probabilities (~30 minutes)
+               their probabilities (26 minutes)
 
 Per variant: accuracy, recall and precision of "defective" at the threshold chosen on the validation cells,
 accuracy and recall at 0.5 (the published figure's rule), ROC-AUC, and the run's wall time. One run per
