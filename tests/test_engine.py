@@ -276,3 +276,109 @@ def test_argmax_by_blocks_is_torch_argmax_ties_and_nans_included():
     assert argmax_rows(x).tolist() == x.argmax(-1).tolist() == [int(x[0].argmax()), 300, 130, 900, 5, 0]
     odd = torch.randn(3, 1000, generator=g)  # not whole blocks: torch's own
     assert argmax_rows(odd).tolist() == odd.argmax(-1).tolist()
+
+
+def chunked(model, tok, units: int, **kw) -> Engine:
+    """An engine whose prefill passes cost at most `units` token-equivalents: long prompts run in many chunks."""
+    e = engine(model, tok, **kw)
+    e.MAX_CHUNK = e.PROBE_CHUNK = units
+    e.MIN_CHUNK = 1
+    return e
+
+
+def widths(e: Engine) -> list[int]:
+    """The width of every forward pass the engine runs from now on (a decode step's is 1)."""
+    seen, forward = [], e._forward
+
+    def counted(ids, *args):
+        seen.append(ids.shape[1])
+        return forward(ids, *args)
+
+    e._forward = counted
+    return seen
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["transformers-forward", "fused-decoder"])
+def test_chunked_prefill_answers_as_one_pass_whatever_the_order_rows_and_cancellations(tiny, fused):
+    """Prompts of 3 to 60 tokens prefilled 5 token-equivalents a pass, in 3 rows: completions in every row order
+    (a short prompt behind a long one is copied down; with every row in use the two rows swap), a prefill
+    cancelled mid-way, and prompts joining while others decode: each answer is transformers' greedy one."""
+    from gpuwise.serve.decoder import FusedDecoder
+
+    model, tok, texts = tiny
+    words = " ".join(texts[:6]).split()
+    prompts = [" ".join(words[:n]) for n in (2, 50, 40, 3, 30, 5, 2)]
+    expected = [reference(model, tok, q, 8) for q in prompts]
+    e = chunked(model, tok, 5, max_seqs=3, decoder=FusedDecoder(model, pack=None) if fused else None)
+    seen, swaps, swap = widths(e), [], e.cache.swap
+    e.cache.swap = lambda *a: swaps.append(a) or swap(*a)
+    try:
+        with e.cv:  # three start together in every row; the short one, in the top row, finishes first: a swap
+            first = [submit(e, tok, q, max_tokens=8) for q in prompts[:3]]
+        cancelled, c_cancelled = submit(e, tok, " ".join(words[:60]), max_tokens=8)
+        while cancelled.done == 0:
+            time.sleep(0.0005)
+        cancelled.cancel()  # mid-prefill: its row is refilled, the others' keys stay where they are
+        rest = [submit(e, tok, q, max_tokens=8) for q in prompts[3:]]
+        for _, c in first + rest:
+            assert c.done.wait(30)
+        assert c_cancelled.done.wait(5) and c_cancelled.end["finish"] == "cancelled"
+    finally:
+        e.close()
+    assert [s.out for s, _ in first + rest] == expected
+    assert max(seen) <= 5 and seen.count(1) > 0  # chunks of at most 5 tokens, decode steps between
+    assert swaps
+    assert not e.running and not e.prefilling
+
+
+def test_a_long_prefill_lets_a_later_short_prompt_answer_first_and_its_timeout_holds(tiny):
+    model, tok, texts = tiny
+    long = " ".join(" ".join(texts[:20]).split()[:150])
+    assert 150 <= len(tok(long)["input_ids"]) < 250
+    e = chunked(model, tok, 8, context=256)
+    forward = e._forward
+
+    def slow(*args):  # 10 ms a pass: 150 tokens in chunks of at most 8 take 0.25 s or more
+        time.sleep(0.01)
+        return forward(*args)
+
+    e._forward = slow
+    try:
+        seq, c_long = submit(e, tok, long, max_tokens=4)
+        while seq.done == 0:
+            time.sleep(0.0005)
+        short, c_short = submit(e, tok, texts[1], max_tokens=2)
+        assert c_short.done.wait(30) and c_long.done.wait(30)
+        assert short.t_last < seq.t_last - 0.1  # the short answer ended while the long prompt still prefilled
+        assert seq.out == reference(model, tok, long, 4)
+
+        late = Sequence(tok(long)["input_ids"], Params(4, temperature=0.0), c := Client(), time.monotonic() + 0.08)
+        e.submit(late)
+        assert c.done.wait(30) and c.end["finish"] == "timeout" and 0 < late.done < len(late.prompt)
+        again, c_again = submit(e, tok, texts[2], max_tokens=3)  # the engine goes on
+        assert c_again.done.wait(30) and again.out == reference(model, tok, texts[2], 3)
+    finally:
+        e.close()
+
+
+def test_chunks_follow_the_measured_decode_step_and_the_attention_crossover(tiny):
+    from transformers import AutoConfig
+
+    from gpuwise.serve.engine import attention_crossover
+
+    model, tok, _ = tiny
+    e = engine(model, tok)
+    try:
+        e.unit_s, e.decode_s = 1e-4, 0.02
+        assert e._chunk_budget() == pytest.approx(e.solo_chunk_s / 1e-4)  # nobody decoding: a solo chunk
+        e.running.append(object())  # type: ignore[arg-type]
+        assert e._chunk_budget() == pytest.approx(200)  # a decode step's time
+        e.chunk_ratio = 1e-9
+        assert e._chunk_budget() == e.MIN_CHUNK
+        e.running.clear()
+    finally:
+        e.close()
+    # SmolLM2-135M: per layer 576 x (9 + 2 x 3) x 64 + 576 x 576 + 3 x 576 x 1536 weights over 2 x 576
+    smol = AutoConfig.for_model("llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                num_attention_heads=9, num_key_value_heads=3)
+    assert attention_crossover(smol) == pytest.approx((576 * 15 * 64 + 576 * 576 + 3 * 576 * 1536) / 1152)

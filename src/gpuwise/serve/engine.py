@@ -2,11 +2,21 @@
 
 One engine thread owns the model. Each turn of its loop it
 1. drops the sequences whose client left or whose time is up (their slot is free at once),
-2. admits waiting requests while slots and the KV budget allow, and runs their prompts in one
-   forward pass (left-padded, so every prompt's last token is the last column: one row of logits each),
-3. runs one decode step for every running sequence: one token each, in one forward pass,
-4. samples, detokenizes, checks end-of-text, stop strings and max_tokens, and hands each client its
+2. admits waiting requests while slots and the KV budget allow: they start prefilling,
+3. runs one decode step for every sequence whose prompt is in the cache: one token each, in one forward pass,
+4. runs the next chunk of every prompt still prefilling, in one forward pass (left-padded, so each row's last
+   token is the last column), its size held to about one decode step's time while others decode (below),
+5. samples, detokenizes, checks end-of-text, stop strings and max_tokens, and hands each client its
    new text (thread-safe: the client's callback puts it on its event loop's queue).
+
+Chunked prefill (Sarathi-Serve, Agrawal et al. OSDI 2024; vLLM's chunked prefill): a long prompt's forward
+would otherwise hold every running stream for its whole length (a 6k-token prompt held 32 streams for tens
+of seconds). Its chunks are sized by measured time, not a fixed token count, so the same rule holds on any
+device: while others decode, a chunk's cost is about `chunk_ratio` times the last decode steps' time; with
+nobody decoding, about `solo_chunk_s` (a newcomer's wait, and the granularity of the request timeout). Cost
+is counted in token-equivalents of the linear layers, `tokens x (1 + context / crossover)`, where the
+crossover is the context at which a token's attention costs as much as its matmuls (per layer: its weights
+/ (2 x heads x head dim)); the time per token-equivalent is measured on every prefill pass.
 
 Why not transformers' own continuous batching (`generate_batch`, `transformers serve
 --continuous-batching`): `benchmarks/llm_serve_load.py` (SmolLM2-135M, 32 concurrent streams) measured this
@@ -69,6 +79,8 @@ class Sequence:
     def __init__(self, prompt: list[int], params: Params, sink: Sink, deadline: float, adapter: str | None = None):
         self.prompt, self.params, self.sink, self.deadline, self.adapter = prompt, params, sink, deadline, adapter
         self.out: list[int] = []
+        self.done = 0  # prompt tokens whose keys and values are in its row (prefilling until all are)
+        self.reused = 0  # of those, found in the prefix cache
         self.sent = ""  # text handed to the client so far
         self.finish: str | None = None
         self.cancelled = threading.Event()
@@ -153,6 +165,12 @@ class SlotCache:
         self.keys[:, dst, :length] = self.keys[:, src, :length]
         self.values[:, dst, :length] = self.values[:, src, :length]
 
+    def swap(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        """Exchange two rows' first positions (row a holds `length_a` of them, row b `length_b`)."""
+        keys, values = self.read(a, length_a)
+        self.move(b, a, length_b)
+        self.write(b, keys, values)
+
     def read(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of one row's first `length` positions, keys and values: [layers, length, kv_heads, head_dim]."""
         return self.keys[:, row, :length].clone(), self.values[:, row, :length].clone()
@@ -226,7 +244,15 @@ class EngineStats:
 
 
 class Engine:
-    """The model, its tokenizer and the loop that keeps its batch full. `submit` is thread-safe."""
+    """The model, its tokenizer and the loop that keeps its batch full. `submit` is thread-safe.
+
+    Rows of the cache: the decoding sequences (`running`) hold rows 0 .. d-1, compact; the prefilling ones
+    hold the top rows, `prefilling[k]` row slots-1-k, so that neither group's changes move the other's keys.
+    A prompt that finishes prefilling is copied down to row d once (a short prompt: a few KB)."""
+
+    # A chunk's token-equivalents: at least this many (a long prompt always moves), at most this many
+    # (a bound on one pass's activations); until a prefill has been timed, the first pass takes the probe.
+    MIN_CHUNK, MAX_CHUNK, PROBE_CHUNK = 16, 8192, 512
 
     def __init__(
         self,
@@ -240,6 +266,8 @@ class Engine:
         stats: EngineStats | None = None,
         decoder: Callable[..., torch.Tensor] | None = None,
         prefix_tokens: int = 0,
+        chunk_ratio: float = 1.0,
+        solo_chunk_s: float = 0.5,
     ):
         self.model, self.tok, self.decoder = model, tok, decoder
         self.device = next(model.parameters()).device
@@ -256,8 +284,13 @@ class Engine:
         params = inspect.signature(type(self._base_model()).forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.peft = hasattr(model, "peft_config")
+        self.chunk_ratio, self.solo_chunk_s = chunk_ratio, solo_chunk_s
+        self.crossover = attention_crossover(model.config)
+        self.decode_s: float | None = None  # a decode step's time, smoothed
+        self.unit_s: float | None = None  # a prefill token-equivalent's time, smoothed
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefilling: list[Sequence] = []
         self.cv = threading.Condition()
         self.closed = False
         self.generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -289,7 +322,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self.cv:
-                while not self.closed and not self.waiting and not self.running:
+                while not self.closed and not self.waiting and not self.running and not self.prefilling:
                     self.cv.wait()
                 if self.closed:
                     break
@@ -298,17 +331,21 @@ class Engine:
             try:
                 with torch.inference_mode():
                     self._drop_running()
-                    if admitted:
-                        self._prefill(admitted)
+                    self._start(admitted)
                     if self.running:
                         self._decode()
+                    if self.prefilling:
+                        self._prefill()
             except Exception as e:  # noqa: BLE001 - a failed pass fails its requests, not the server
                 log.exception("generation failed")
                 with torch.inference_mode():  # freeing a row writes to the cache, an inference tensor
                     for s in list(self.running):
                         self._end(s, "error", error=e)
-            self.stats.running, self.stats.kv_tokens = len(self.running), sum(s.reserved for s in self.running)
-        for s in list(self.running) + list(self.waiting):
+                    for s in list(self.prefilling):
+                        self._leave(s, "error", error=e)
+            held = self.running + self.prefilling
+            self.stats.running, self.stats.kv_tokens = len(held), sum(s.reserved for s in held)
+        for s in self.running + self.prefilling + list(self.waiting):
             s.sink({"finish": "error", "error": "the server shut down"})
 
     def _expired(self, s: Sequence) -> bool:
@@ -322,20 +359,38 @@ class Engine:
     def _drop_running(self) -> None:
         for s in [s for s in self.running if self._expired(s)]:
             self._end(s, "cancelled" if s.cancelled.is_set() else "timeout")
+        for s in [s for s in self.prefilling if self._expired(s)]:
+            self._leave(s, "cancelled" if s.cancelled.is_set() else "timeout")
 
     def _admit(self) -> list[Sequence]:
         admitted = []
-        used = sum(s.reserved for s in self.running)
-        while self.waiting and len(self.running) < self.max_seqs:
+        held = self.running + self.prefilling
+        used = sum(s.reserved for s in held)
+        while self.waiting and len(held) + len(admitted) < self.max_seqs:
             s = self.waiting[0]
-            if used + s.reserved > self.kv_budget and self.running:
+            if used + s.reserved > self.kv_budget and (held or admitted):
                 break  # it waits for room; alone it always runs (the budget was checked at submit)
             self.waiting.popleft()
             used += s.reserved
-            self.running.append(s)
             admitted.append(s)
         self.stats.waiting = len(self.waiting)
         return admitted
+
+    def _row(self, k: int) -> int:
+        """The cache row of `prefilling[k]`."""
+        return self.max_seqs - 1 - k
+
+    def _start(self, new: list[Sequence]) -> None:
+        """Give each admitted sequence a row, with what the prefix cache holds of its prompt copied in."""
+        if not new:
+            return
+        self.cache.reserve(max(len(s.prompt) for s in new))
+        for s in new:
+            self.prefilling.append(s)
+            n, key = self.prefixes.longest(s.adapter, s.prompt) if self.prefixes else (0, None)
+            if self.prefixes is not None and key is not None:
+                self.cache.write(self._row(len(self.prefilling) - 1), *self.prefixes.get(key, n))
+            s.done = s.reused = n
 
     def _forward(
         self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, first: int, adapters: list
@@ -360,36 +415,96 @@ class Engine:
         )
         return out.logits[:, -1].float()
 
-    def _prefill(self, new: list[Sequence]) -> None:
-        first = len(self.running) - len(new)
-        # what the prefix cache holds of each prompt is copied into its row; only the rest runs
-        prefixes = self.prefixes
-        reused = [prefixes.longest(s.adapter, s.prompt) if prefixes else (0, None) for s in new]
-        self.cache.reserve(max(len(s.prompt) for s in new))
-        for i, (n, key) in enumerate(reused):
-            if prefixes is not None and key is not None:
-                self.cache.write(first + i, *prefixes.get(key, n))
-        starts = [n for n, _ in reused]
-        width = max(len(s.prompt) - n for s, n in zip(new, starts, strict=True))
-        ids = torch.full((len(new), width), self.pad, dtype=torch.long)
-        pos = torch.empty((len(new), width), dtype=torch.long)
-        for i, (s, n) in enumerate(zip(new, starts, strict=True)):
-            pad = width - (len(s.prompt) - n)
-            ids[i, pad:] = torch.tensor(s.prompt[n:])
-            pos[i, pad:] = torch.arange(n, len(s.prompt))
-            # the padding is stored just past the prompt (every pad at one position: a prompt shorter than the
-            # context always has it), where the mask hides it and the first decode step overwrites it
-            pos[i, :pad] = len(s.prompt)
+    def _chunk_budget(self) -> float:
+        """Token-equivalents the next prefill pass may cost (see the module's docstring)."""
+        if self.unit_s is None:
+            return self.PROBE_CHUNK
+        target = self.chunk_ratio * self.decode_s if self.running and self.decode_s else self.solo_chunk_s
+        return min(self.MAX_CHUNK, max(self.MIN_CHUNK, target / self.unit_s))
+
+    def _width(self, budget: float) -> tuple[int, float]:
+        """The most prompt tokens each prefilling row may run this pass (every row is padded to it), and
+        what the pass then costs."""
+        left = [len(s.prompt) - s.done for s in self.prefilling]
+        rows = len(left)
+
+        def cost(w: int) -> float:
+            reach = max(s.done + min(n, w) for s, n in zip(self.prefilling, left, strict=True))
+            return rows * w * (1 + reach / self.crossover)
+
+        lo, hi = 1, max(left)
+        if cost(hi) <= budget:
+            return hi, cost(hi)
+        while lo < hi:  # the widest within the budget; at least one token each
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid - 1)
+        return lo, cost(lo)
+
+    def _prefill(self) -> None:
+        """The next chunk of every prefilling prompt, in one pass over their rows (the top rows, contiguous)."""
+        width, cost = self._width(self._chunk_budget())
+        rows = len(self.prefilling)
+        first = self._row(rows - 1)
+        seqs = self.prefilling[::-1]  # in row order: prefilling[k] holds row slots-1-k
+        ids = torch.full((rows, width), self.pad, dtype=torch.long)
+        pos = torch.empty((rows, width), dtype=torch.long)
+        runs = []
+        for i, s in enumerate(seqs):
+            n = min(width, len(s.prompt) - s.done)
+            ids[i, width - n :] = torch.tensor(s.prompt[s.done : s.done + n])
+            pos[i, width - n :] = torch.arange(s.done, s.done + n)
+            # the padding is stored just past the chunk (every pad at one position, inside the context: a prompt
+            # is shorter than it), where the mask hides it and the next chunk or the first decode step overwrites it
+            pos[i, : width - n] = s.done + n
+            runs.append(n)
         length = int(pos.max()) + 1
         mask = torch.arange(length).view(1, 1, 1, length) <= pos.unsqueeze(1).unsqueeze(-1)
-        logits = self._forward(ids, pos, mask, first, [s.adapter for s in new])
-        if prefixes is not None:
-            for i, s in enumerate(new):
-                prefixes.put(s.adapter, s.prompt, *self.cache.read(first + i, len(s.prompt)))
-            self.stats.on_prefill(sum(len(s.prompt) for s in new), sum(starts))
-        self._advance(new, logits)
+        t0 = time.perf_counter()
+        logits = self._forward(ids, pos, mask, first, [s.adapter for s in seqs])
+        spent = (time.perf_counter() - t0) / cost
+        self.unit_s = spent if self.unit_s is None else 0.7 * self.unit_s + 0.3 * spent
+        ready, ready_logits = [], []
+        for i, (s, n) in enumerate(zip(seqs, runs, strict=True)):
+            s.done += n
+            if s.done == len(s.prompt):
+                ready.append(s)
+                ready_logits.append(i)
+        for s in ready:
+            self._join(s)
+        if ready:
+            self._advance(ready, logits[ready_logits])
+
+    def _join(self, s: Sequence) -> None:
+        """A sequence whose prompt is all in the cache moves from the top rows to row d, the next decoding row;
+        the prefilling rows stay contiguous (the lowest one fills the hole it leaves)."""
+        k, d, p = self.prefilling.index(s), len(self.running), len(self.prefilling)
+        row, lowest = self._row(k), self.prefilling[-1]
+        if row != d:
+            if self._row(p - 1) == d:  # every row in use: the lowest prefilling row is d itself
+                self.cache.swap(row, d, len(s.prompt), lowest.done)
+            else:
+                self.cache.move(row, d, len(s.prompt))
+                if lowest is not s:
+                    self.cache.move(self._row(p - 1), row, lowest.done)
+            self.prefilling[k] = lowest
+        self.prefilling.pop()
+        self.running.append(s)
+        if self.prefixes is not None and len(s.prompt) <= self.prefixes.tokens:
+            self.prefixes.put(s.adapter, s.prompt, *self.cache.read(d, len(s.prompt)))
+        self.stats.on_prefill(len(s.prompt), s.reused)
+
+    def _leave(self, s: Sequence, finish: str, error: BaseException | None = None) -> None:
+        """Take a prefilling sequence out; the lowest prefilling row fills its row."""
+        k, p = self.prefilling.index(s), len(self.prefilling)
+        lowest = self.prefilling[-1]
+        if lowest is not s:
+            self.cache.move(self._row(p - 1), self._row(k), lowest.done)
+            self.prefilling[k] = lowest
+        self.prefilling.pop()
+        self._finished(s, finish, error)
 
     def _decode(self) -> None:
+        t0 = time.perf_counter()
         rows = self.running
         ids = torch.tensor([[s.out[-1]] for s in rows])
         pos = torch.tensor([[s.length - 1] for s in rows])
@@ -397,6 +512,8 @@ class Engine:
         mask = torch.arange(width).view(1, 1, 1, width) <= pos.view(-1, 1, 1, 1)
         logits = self._forward(ids, pos, mask, 0, [s.adapter for s in rows])
         self._advance(list(rows), logits)
+        spent = time.perf_counter() - t0
+        self.decode_s = spent if self.decode_s is None else 0.7 * self.decode_s + 0.3 * spent
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         chosen = argmax_rows(logits).tolist()
@@ -454,12 +571,26 @@ class Engine:
             self.cache.move(last, i, moved.length)
             self.running[i] = moved
         self.running.pop()
+        self._finished(s, finish, error)
+
+    def _finished(self, s: Sequence, finish: str, error: BaseException | None = None) -> None:
         s.finish = finish
         self.stats.on_finish(s)
         event: dict[str, Any] = {"finish": finish, "prompt_tokens": len(s.prompt), "completion_tokens": len(s.out)}
         if error is not None:
             event["error"] = repr(error)
         s.sink(event)
+
+
+def attention_crossover(config) -> float:
+    """The context at which one token's attention costs as much as its pass through the layer's weights:
+    per layer, a token's matmuls take 2 x weights FLOPs, its attention 4 x heads x head dim per position
+    attended (QK^T and PV). Weights as a Llama-shaped layer holds them (q, k, v, o; a gated MLP)."""
+    layers, kv_heads, head_dim = kv_shape(config)
+    heads, hidden = config.num_attention_heads, config.hidden_size
+    inner = getattr(config, "intermediate_size", None) or 4 * hidden
+    weights = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inner
+    return max(1.0, weights / (2 * heads * head_dim))
 
 
 def argmax_rows(logits: torch.Tensor, block: int = 128) -> torch.Tensor:
