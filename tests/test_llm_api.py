@@ -342,3 +342,43 @@ def test_two_adapters_of_one_base_share_it_and_answer_each_its_own(capsys, tmp_p
     assert together["a"] != together["b"] != together["base"]
     assert answers([("a", str(tmp_path / "a"))])["a"] == together["a"]
     assert answers([("b", str(tmp_path / "b"))])["b"] == together["b"]
+
+
+def test_sampling_edges_and_huge_bodies_get_a_4xx_and_stall_no_one(run):
+    import threading
+
+    with Server(run) as c:
+        oa = client(c)
+        # a top_p below float32's smallest number (0 there): the likeliest token, as greedy picks it
+        tiny = oa.completions.create(model=MODEL, prompt="My dog", max_tokens=6, temperature=1.0, top_p=1e-320)
+        greedy = oa.completions.create(model=MODEL, prompt="My dog", max_tokens=6, temperature=0)
+        assert tiny.choices[0].text == greedy.choices[0].text
+        for seed in (2**64, -(2**63) - 1, 10**30):
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "seed": seed})
+            assert r.status_code == 422 and r.json()["error"]["message"].startswith("seed:"), r.text
+        assert oa.completions.create(model=MODEL, prompt="x", max_tokens=2, seed=2**64 - 1).choices
+        for bad in (b"[" * 100_000, b'{"model": "m", "prompt": "x", "seed": 1' + b"0" * 5000 + b"}", b"{"):
+            r = c.post("/v1/completions", content=bad, headers={"content-type": "application/json"})
+            assert r.status_code == 422 and "not valid JSON" in r.json()["error"]["message"], r.text
+        r = c.post("/v1/completions", content=b'{"model": "\xff"}', headers={"content-type": "application/json"})
+        assert r.status_code == 400
+
+        # 300,000 empty messages (9.9 MB): a 422, and /health answers all the while
+        many = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": ""}] * 300_000}).encode()
+        escaped = many.replace(b'"role"', b'"\\u0072ole"')  # past the cheap count: parsed, then bounded
+        for body in (many, escaped):
+            answer, gaps = {}, []
+
+            def send(body=body, answer=answer):
+                answer["r"] = httpx.post(f"{c.base_url}/v1/chat/completions", content=body, timeout=60,
+                                         headers={"content-type": "application/json"})
+
+            sender = threading.Thread(target=send)
+            sender.start()
+            while sender.is_alive():
+                t0 = time.perf_counter()
+                assert c.get("/health").status_code == 200
+                gaps.append(time.perf_counter() - t0)
+            sender.join()
+            assert answer["r"].status_code == 422 and "at most 4,096" in answer["r"].json()["error"]["message"]
+            assert max(gaps) < 1.5, gaps  # FastAPI's parse and template on the event loop: 4.7 s

@@ -363,7 +363,7 @@ class Engine:
             self._leave(s, "cancelled" if s.cancelled.is_set() else "timeout")
 
     def _admit(self) -> list[Sequence]:
-        admitted = []
+        admitted: list[Sequence] = []
         held = self.running + self.prefilling
         used = sum(s.reserved for s in held)
         while self.waiting and len(held) + len(admitted) < self.max_seqs:
@@ -515,23 +515,32 @@ class Engine:
         spent = time.perf_counter() - t0
         self.decode_s = spent if self.decode_s is None else 0.7 * self.decode_s + 0.3 * spent
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        chosen = argmax_rows(logits).tolist()
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
+        """A token for each row, or the error that row's sampling raised: it fails that request alone."""
+        chosen: list[int | Exception] = list(argmax_rows(logits).tolist())
         for i, s in enumerate(seqs):
             p = s.params
             if p.temperature < GREEDY_BELOW:
                 continue
-            probs = torch.softmax(logits[i] / p.temperature, -1)
-            if p.top_p < 1:
-                sorted_p, order = probs.sort(descending=True)
-                keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # the smallest set whose mass reaches top_p
-                probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-            chosen[i] = int(torch.multinomial(probs, 1, generator=s.generator or self.generator))
+            try:
+                probs = torch.softmax(logits[i] / p.temperature, -1)
+                if p.top_p < 1:
+                    sorted_p, order = probs.sort(descending=True)
+                    keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # the smallest set whose mass reaches top_p
+                    keep[0] = True  # the likeliest, always: a top_p of 1e-320 is 0 in float32 and kept none
+                    probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+                chosen[i] = int(torch.multinomial(probs, 1, generator=s.generator or self.generator))
+            except RuntimeError as e:  # e.g. a row of nan logits: multinomial refuses it
+                chosen[i] = e
         return chosen
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         now = time.perf_counter()
         for s, token in zip(seqs, self._sample(seqs, logits), strict=True):
+            if isinstance(token, Exception):
+                log.error("sampling failed for one request: %r", token)
+                self._end(s, "error", error=token)
+                continue
             if s.t_last is None:
                 self.stats.on_first_token(now - s.t_submit)
             else:

@@ -16,7 +16,9 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Request  # at module level: FastAPI resolves the routes' annotations here
-from pydantic import BaseModel, Field
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from gpuwise.serve import protocol as p
 from gpuwise.serve.decoder import fused_decoder
@@ -244,6 +246,71 @@ class LLM:
         if len(text) > self.limits.max_prompt_chars:
             raise ClientError(413, f"prompt: {len(text):,} characters; at most {self.limits.max_prompt_chars:,}")
 
+    # --- each request is parsed, templated and tokenized on a worker thread, not on the event loop: a 9 MB
+    # body of 300,000 messages held every other client for 4.7 s when FastAPI parsed and templated it there.
+    # Parsing holds the GIL all the same (json: about 0.2 s for 10 MB here), so a chat's message count is
+    # bounded before it is parsed, and the body's size (--max-body-mb) bounds the rest. --------------------
+    @staticmethod
+    def _parse(kind: type[BaseModel], body: bytes):
+        # In JSON text a bare "role" (unescaped quotes) is a key or a whole value, never inside a string: at
+        # least one per message. A count over it is a C scan (milliseconds); the parse is the bound after it.
+        too_many = f"messages: at most {p.MAX_MESSAGES:,} in one request"
+        if kind is p.ChatCompletionRequest and body.count(b'"role"') > p.MAX_MESSAGES:
+            raise ClientError(422, too_many)
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ClientError(400, "the body is not UTF-8 text") from None
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as e:  # a number of 5,000 digits and '[' * 100,000 included
+            raise ClientError(422, f"the body is not valid JSON: {str(e)[:120] or type(e).__name__}") from None
+        if isinstance(data, dict) and isinstance(data.get("messages"), list) and len(data["messages"]) > p.MAX_MESSAGES:
+            raise ClientError(422, too_many)
+        try:
+            return kind.model_validate(data)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors(include_url=False)) from None
+
+    def _chat(self, body: bytes) -> tuple[p.ChatCompletionRequest, tuple[Backend, str | None], list[int], Params]:
+        ask = self._parse(p.ChatCompletionRequest, body)
+        target = self._model(ask.model)
+        backend = target[0]
+        chars = sum(len(m.text()) for m in ask.messages)
+        if chars > self.limits.max_prompt_chars:  # before the template runs over them
+            raise ClientError(413, f"messages: {chars:,} characters; at most {self.limits.max_prompt_chars:,}")
+        text = chat_prompt(backend.tok, ask.messages)
+        self._check_chars(text)
+        ids = self._ids(backend, text, special=False)  # the template wrote the special tokens itself
+        params = self._params(backend, ask.limit(), len(ids), ask.temperature, ask.top_p, ask.stops(), ask.seed)
+        return ask, target, ids, params
+
+    def _completion(self, body: bytes) -> tuple[p.CompletionRequest, tuple[Backend, str | None], list[int], Params]:
+        ask = self._parse(p.CompletionRequest, body)
+        target = self._model(ask.model)
+        assert isinstance(ask.prompt, str)  # the validator made a list of one into its string
+        self._check_chars(ask.prompt)
+        ids = self._ids(target[0], ask.prompt, special=True)
+        params = self._params(target[0], ask.limit(), len(ids), ask.temperature, ask.top_p, ask.stops(), ask.seed)
+        return ask, target, ids, params
+
+    def _generate(self, body: bytes) -> tuple[GenerateRequest, tuple[Backend, str | None], list[int], Params]:
+        ask = self._parse(GenerateRequest, body)
+        if ask.max_tokens > self.limits.max_tokens:
+            raise ClientError(422, f"max_tokens: at most {self.limits.max_tokens}")
+        self._check_chars(ask.prompt)
+        # gpuwise's own route, from before several models: the first one serves it
+        target = (self.backends[0], self.route[self.names[0]][1])
+        context = target[0].context
+        ids = self._ids(target[0], ask.prompt, special=True)
+        if len(ids) + ask.max_tokens > context:
+            raise ClientError(
+                422,
+                f"prompt ({len(ids)} tokens) + max_tokens ({ask.max_tokens}) exceeds the context of {context}",
+            )
+        temperature = ask.temperature if ask.temperature >= GREEDY_BELOW else 0.0
+        return ask, target, ids, Params(ask.max_tokens, temperature, ask.top_p, ask.stop)
+
     # --- predict: through the engine -------------------------------------------------------------------
     def _submit(
         self, target: tuple[Backend, str | None], ids: list[int], params: Params
@@ -349,14 +416,25 @@ class LLM:
             self._model(name)
             return p.ModelCard(id=name, created=self.created)
 
-        @app.post("/v1/chat/completions", response_model=p.ChatCompletion)
-        async def chat(ask: p.ChatCompletionRequest, request: Request):
-            target = self._model(ask.model)
-            backend = target[0]
-            text = chat_prompt(backend.tok, ask.messages)
-            self._check_chars(text)
-            ids = self._ids(backend, text, special=False)  # the template wrote the special tokens itself
-            params = self._params(backend, ask.limit(), len(ids), ask.temperature, ask.top_p, ask.stops(), ask.seed)
+        def body_of(kind: type[BaseModel]) -> dict:
+            """The request body's schema for /docs (the routes read the body themselves, off the event loop),
+            its $defs inlined: OpenAPI resolves a $ref from the document's root, not the schema's."""
+            schema = kind.model_json_schema()
+            defs = schema.pop("$defs", {})
+
+            def inline(node):
+                if isinstance(node, dict):
+                    ref = node.get("$ref", "")
+                    return inline(defs[ref.rsplit("/", 1)[1]]) if ref else {k: inline(v) for k, v in node.items()}
+                return [inline(v) for v in node] if isinstance(node, list) else node
+
+            return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+        @app.post(
+            "/v1/chat/completions", response_model=p.ChatCompletion, openapi_extra=body_of(p.ChatCompletionRequest)
+        )
+        async def chat(request: Request):
+            ask, target, ids, params = await run_in_threadpool(self._chat, await request.body())
             seq, queue = self._submit(target, ids, params)
             if not ask.stream:
                 out, end = await self._whole(seq, queue, request)
@@ -387,14 +465,9 @@ class LLM:
 
             return streaming(events())
 
-        @app.post("/v1/completions", response_model=p.Completion)
-        async def completions(ask: p.CompletionRequest, request: Request):
-            target = self._model(ask.model)
-            backend = target[0]
-            assert isinstance(ask.prompt, str)  # the validator made a list of one into its string
-            self._check_chars(ask.prompt)
-            ids = self._ids(backend, ask.prompt, special=True)
-            params = self._params(backend, ask.limit(), len(ids), ask.temperature, ask.top_p, ask.stops(), ask.seed)
+        @app.post("/v1/completions", response_model=p.Completion, openapi_extra=body_of(p.CompletionRequest))
+        async def completions(request: Request):
+            ask, target, ids, params = await run_in_threadpool(self._completion, await request.body())
             seq, queue = self._submit(target, ids, params)
             if not ask.stream:
                 out, end = await self._whole(seq, queue, request)
@@ -418,22 +491,10 @@ class LLM:
 
             return streaming(events())
 
-        @app.post("/v1/generate", response_model=GenerateResponse)
-        async def generate(ask: GenerateRequest, request: Request):
-            if ask.max_tokens > self.limits.max_tokens:
-                raise ClientError(422, f"max_tokens: at most {self.limits.max_tokens}")
-            self._check_chars(ask.prompt)
-            # gpuwise's own route, from before several models: the first one serves it
-            target = (self.backends[0], self.route[self.names[0]][1])
-            context = target[0].context
-            ids = self._ids(target[0], ask.prompt, special=True)
-            if len(ids) + ask.max_tokens > context:
-                raise ClientError(
-                    422,
-                    f"prompt ({len(ids)} tokens) + max_tokens ({ask.max_tokens}) exceeds the context of {context}",
-                )
-            temperature = ask.temperature if ask.temperature >= GREEDY_BELOW else 0.0
-            seq, queue = self._submit(target, ids, Params(ask.max_tokens, temperature, ask.top_p, ask.stop))
+        @app.post("/v1/generate", response_model=GenerateResponse, openapi_extra=body_of(GenerateRequest))
+        async def generate(request: Request):
+            ask, target, ids, params = await run_in_threadpool(self._generate, await request.body())
+            seq, queue = self._submit(target, ids, params)
             if not ask.stream:
                 out, end = await self._whole(seq, queue, request)
                 return GenerateResponse(text=out, tokens=end["completion_tokens"], finish_reason=end["finish"])

@@ -17,6 +17,10 @@ from gpuwise.workloads.serving import Text
 
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_STOP_CHARS = 128  # per stop string: a longer one is not an end marker but a way to make the server scan
+# Messages in one chat: each costs its template a few tokens, so 4096 of them outrun any context these serve;
+# a bound on what is parsed and templated before the context check can say so.
+MAX_MESSAGES = 4096
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what a torch.Generator takes: a 64-bit integer, signed or not
 
 
 class Lenient(BaseModel):
@@ -56,7 +60,12 @@ class Sampling(Lenient):
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False, description="0: greedy")
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     stop: StopField = None
-    seed: int | None = Field(None, description="Same seed, same prompt, same answer (on one server)")
+    seed: int | None = Field(
+        None,
+        ge=SEED_RANGE[0],
+        le=SEED_RANGE[1],
+        description="Same seed, same prompt, same answer (on one server); a 64-bit integer",
+    )
     n: int = Field(1, description="Only 1: one answer per request")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -87,7 +96,7 @@ class Sampling(Lenient):
 
 
 class ChatCompletionRequest(Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="The newer name of max_tokens; wins over it")
 
