@@ -231,7 +231,7 @@ def test_truncated_gguf(capsys, tmp_path, keep):
     whole = _tiny_gguf(tmp_path / "whole.gguf").read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(whole[:keep])
-    assert "truncated GGUF file" in _one_line(capsys, str(cut))
+    assert "truncated or damaged GGUF file" in _one_line(capsys, str(cut))
 
 
 @needs_smollm2
@@ -239,7 +239,7 @@ def test_truncated_copy_of_the_real_gguf(capsys, tmp_path):
     # The first 256 KiB of SmolLM2's GGUF: the header (1.79 MB with its tokenizer) ends early.
     with named_base_path("smollm2-135m-instruct").open("rb") as f:
         (tmp_path / "cut.gguf").write_bytes(f.read(256 * 1024))
-    assert "truncated GGUF file" in _one_line(capsys, str(tmp_path / "cut.gguf"))
+    assert "truncated or damaged GGUF file" in _one_line(capsys, str(tmp_path / "cut.gguf"))
 
 
 def test_gguf_of_an_architecture_gpuwise_cannot_plan(capsys, tmp_path):

@@ -60,12 +60,30 @@ def model_id(ref: str) -> str:
     return path.stem if path.suffix.lower() == ".gguf" else (path.name if path.exists() else ref)
 
 
+def check_gguf(ref: str) -> None:
+    """A .gguf file's header read by gpuwise's own bounded reader (plan/model.py) before transformers is given the
+    file: a damaged or hostile header (arrays nested 1,000 deep, a string of 2^63 bytes, a count past the file's
+    end) is one line here. transformers reads GGUF through the gguf package's GGUFReader, which memory-maps the
+    whole file and parses the header without such bounds.
+
+    What this cannot cover: the file is read again, memory-mapped, once the header has passed (the conversion to
+    safetensors, cached by the file's digest, so once per file), and a file truncated by another process during
+    that read ends the process with SIGBUS. Converting from a private copy would close it at the cost of copying
+    gigabytes, and the race needs another process that can write the file, so it is left open."""
+    from gpuwise.plan.model import read_gguf_header
+
+    path = Path(ref).expanduser()
+    if path.suffix.lower() == ".gguf" and path.exists():
+        read_gguf_header(path)
+
+
 def load_model(ref: str, limits: Limits, name: str | None = None, dtype: str = "auto"):
     """A language model that is not a gpuwise run (a named base, a .gguf file, a model directory, a hub
     id) behind the OpenAI API."""
     from gpuwise.serve.llm import LLM
     from gpuwise.workloads.pretrained import quiet_transformers, resolve_base
 
+    check_gguf(ref)
     quiet_transformers()
     source = resolve_base(ref, flag="serve")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -103,6 +121,7 @@ def load_models(specs: list[tuple[str, str]], limits: Limits, dtype: str = "auto
         else:
             if not path.exists() and (ref.startswith((".", "/", "~")) or ref.count("/") > 1):
                 raise GpuwiseError(f"--model {name}={ref}: no such run directory or model file")
+            check_gguf(ref)
             found = resolve_base(ref, flag="--model")
             source, adapter = (str(Path(found).resolve()) if Path(found).exists() else found), None
         groups.setdefault(source, []).append((name, adapter))
