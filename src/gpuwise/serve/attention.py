@@ -14,18 +14,24 @@ PyTorch's CPU tensors: IPEX, which had one, is retired.
 
 Built with the system's C++ compiler against PyTorch's own headers and libraries (about 2 s; its parallel
 loop runs on PyTorch's thread pool), cached under gpuwise's cache directory by a hash of the source, the flags
-and the PyTorch version. Where it cannot be built or loaded (no compiler, no AVX-512, `GPUWISE_KERNELS=0`),
-`load` says why and the decoder keeps SDPA."""
+and the PyTorch version, in a directory of the user's own and checked against the SHA-256 recorded at build
+before it is loaded (`load`, below), then against SDPA on a small input. Where it cannot be built, loaded or
+trusted (no compiler, no AVX-512, `GPUWISE_KERNELS=0`, a cache others can write, a library that is not the one
+built, a failed self-check), `load` says why in one line and the decoder keeps SDPA; a kernel that fails a call
+later hands that decoder back to SDPA too (serve/decoder.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import functools
 import hashlib
 import logging
 import os
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -108,44 +114,242 @@ def _cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
+# A library is loaded by running its code (its constructors run at dlopen), so what is loaded must be what
+# gpuwise built: the cache directory is this user's own (mode 0700, no symlink), each build is recorded by its
+# SHA-256 in `decode_attention-KEY.sha256` (KEY: a hash of the source, flags, compiler and PyTorch version, so a
+# changed source is a new build) beside the library, named by its digest (`decode_attention-KEY-DIGEST.so`,
+# mode 0600: dlopen reads it, nothing executes the file itself), and the bytes are checked against the record
+# before they are loaded. A record is replaced atomically after its library is in place: two servers building
+# at once each leave a whole pair.
+MAX_LIBRARY = 64 << 20  # the built library is ~100 KB: a bigger file is not one gpuwise built, and is not read whole
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _private_dir(path: Path) -> tuple[int | None, str]:
+    """A descriptor of the directory `path`, made where missing, owned by this user, not a symlink and writable by
+    no one else (one this user owns but others may read is made 0700); or None and why it cannot be used."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        # the checks are on the descriptor, and what is read or written below is opened relative to it
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
+    except OSError as e:  # a symlink (ELOOP, or ENOTDIR with O_DIRECTORY), a file, no permission
+        symlink = e.errno == errno.ELOOP or (path.is_symlink() if e.errno == errno.ENOTDIR else False)
+        return None, f"the kernel cache {path} {'is a symlink' if symlink else f'cannot be used ({e.strerror})'}"
+    info = os.fstat(fd)
+    if info.st_uid != os.geteuid():
+        os.close(fd)
+        return None, f"the kernel cache {path} is owned by uid {info.st_uid}, not this user ({os.geteuid()})"
+    if info.st_mode & 0o022:
+        os.close(fd)
+        return None, f"the kernel cache {path} is writable by others (mode {stat.S_IMODE(info.st_mode):o})"
+    if info.st_mode & 0o077:  # an earlier gpuwise made it 0755: this user's own, so it is made private
+        os.fchmod(fd, 0o700)
+    return fd, ""
+
+
+def _read_private(dir_fd: int, name: str, limit: int) -> bytes:
+    """A file of the private cache, read through one descriptor that does not follow a symlink and was checked to
+    be a regular file of this user's, writable and readable by no one else. OSError or ValueError: why not."""
+    fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dir_fd)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{name} is not a regular file")
+        if info.st_uid != os.geteuid():
+            raise ValueError(f"{name} is owned by uid {info.st_uid}, not this user")
+        if info.st_mode & 0o077:
+            raise ValueError(f"{name} has mode {stat.S_IMODE(info.st_mode):o}, not 600")
+        if info.st_size > limit:
+            raise ValueError(f"{name} is {info.st_size:,} bytes, more than {limit:,}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit)
+    finally:
+        os.close(fd)
+
+
+def _cached(dir_fd: int, key: str) -> tuple[bytes | None, str]:
+    """The recorded build of `key` and its digest checked, or None and what is wrong ("" where none is recorded)."""
+    record = f"decode_attention-{key}.sha256"
+    try:
+        digest = _read_private(dir_fd, record, 100).decode("ascii", errors="replace").strip()
+    except FileNotFoundError:
+        return None, ""
+    except (OSError, ValueError) as e:
+        return None, str(e) if isinstance(e, ValueError) else f"{record}: {e.strerror}"
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        return None, f"{record} holds no SHA-256 digest"
+    name = f"decode_attention-{key}-{digest[:16]}.so"
+    try:
+        data = _read_private(dir_fd, name, MAX_LIBRARY)
+    except (OSError, ValueError) as e:
+        return None, str(e) if isinstance(e, ValueError) else f"{name}: {e.strerror}"
+    if hashlib.sha256(data).hexdigest() != digest:
+        return None, f"{name} does not match the SHA-256 recorded when it was built"
+    return data, ""
+
+
+def _write_private(dir_fd: int, name: str, data: bytes) -> None:
+    """Write `name` in the private cache: a fresh 0600 file beside it, then renamed over it."""
+    tmp = f".{name}.{os.getpid()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp, dir_fd=dir_fd)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=dir_fd)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def _dlopen(data: bytes, name: str, spare: Path) -> ctypes.CDLL:
+    """Load the checked bytes. Loading the checked file by its path would leave a gap between the check and the
+    dlopen in which the file could change (a TOCTOU race), so what is loaded is a copy only this process holds: an
+    anonymous memfd, loaded through /proc/self/fd; where that cannot be (no memfd, or the kernel refuses to map
+    one executable), a fresh 0600 file in a new 0700 directory under `spare`, removed once loaded."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            _write_all(fd, data)
+            return ctypes.CDLL(f"/proc/self/fd/{fd}")
+        except OSError as e:  # vm.memfd_noexec, no /proc: the fallback below
+            log.debug("loading the kernel from a memfd failed: %s", e)
+        finally:
+            os.close(fd)
+    with tempfile.TemporaryDirectory(dir=spare) as tmp:
+        path = Path(tmp) / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+        _write_all(fd, data)
+        os.close(fd)
+        return ctypes.CDLL(str(path))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _build(compiler: list[str], where: Path) -> tuple[bytes | None, str]:
+    """Compile the kernel in a fresh directory under `where` (private): its bytes, or None and why not."""
+    from torch.utils import cpp_extension
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    links = [f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
+    with tempfile.TemporaryDirectory(dir=where) as tmp:
+        built = Path(tmp) / "decode_attention.so"
+        cmd = [*compiler, *FLAGS, _abi(), *includes, str(SOURCE), "-o", str(built), *links]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return None, f"building it failed: {e}"
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["?"])[-1]
+            log.debug("building the decode attention kernel failed: %s", done.stderr[-2000:])
+            return None, f"building it failed: {last}"
+        try:
+            data = built.read_bytes()
+        except OSError as e:
+            return None, f"building it failed: {e.strerror}"
+    return data, ""
+
+
+def _abi() -> str:
+    return f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+
+
+def self_check(kernel: DecodeAttention) -> str:
+    """Empty where the kernel gives SDPA's attention on a small cache (grouped heads, rows of unequal lengths, fp32
+    and bf16); else what it got wrong. Run once at load, before the decoder may use it."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    n, H, K, D, length = 3, 4, 2, 32, 9
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 2**-6)):
+        q = torch.randn(n, H, D, generator=gen).to(dtype)
+        keys = torch.randn(n, length, K, D, generator=gen).to(dtype)
+        values = torch.randn(n, length, K, D, generator=gen).to(dtype)
+        lens = torch.tensor([1, 9, 5])
+        try:
+            got = kernel(q, keys, values, lens)
+        except (ValueError, RuntimeError) as e:
+            return str(e)
+        allowed = torch.arange(length).view(1, 1, 1, length) < lens.view(n, 1, 1, 1)
+        bias = torch.zeros(n, 1, 1, length).masked_fill_(~allowed, float("-inf"))
+        want = F.scaled_dot_product_attention(
+            q.float().view(n, K, H // K, D), keys.float().transpose(1, 2), values.float().transpose(1, 2), bias
+        ).view(n, H, D)
+        if got.shape != want.shape:
+            return f"{dtype}: shape {tuple(got.shape)}, SDPA's {tuple(want.shape)}"
+        off = float((got.float() - want).abs().max() / want.abs().max())
+        if not off <= tolerance:  # a nan is off too
+            return f"{dtype}: {off:.1e} off SDPA (tolerance {tolerance:.0e})"
+    return ""
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> tuple[DecodeAttention | None, str]:
-    """The kernel, built or found in the cache; or None and why not."""
+    """The kernel, built or found in the cache and checked; or None and why not. Whatever goes wrong (a cache that
+    is not private, a library that is not the one recorded, a build or a self-check that fails) is at most one
+    log line, and the decoder keeps SDPA: never an exception."""
+    try:
+        return _load()
+    except OSError as e:  # a read-only or full file system, a cache removed meanwhile: never the end of `serve`
+        return _refused("", f"its cache failed: {e}")
+
+
+def _load() -> tuple[DecodeAttention | None, str]:
     if os.environ.get("GPUWISE_KERNELS", "1") == "0":
         return None, "GPUWISE_KERNELS=0"
     if not _avx512():
         return None, f"this CPU's PyTorch dispatch level is {torch.backends.cpu.get_cpu_capability()}, not AVX-512"
+    if not hasattr(os, "O_NOFOLLOW") or not hasattr(os, "geteuid"):
+        return None, "its private cache needs a POSIX system"
     found = shutil.which("g++") or shutil.which("c++")
     compiler = shlex.split(os.environ.get("CXX", "")) or ([found] if found else [])  # CXX may be "ccache g++"
     if not compiler:
         return None, "no C++ compiler (g++) to build it with"
-    from torch.utils import cpp_extension
-
-    torch_lib = Path(torch.__file__).parent / "lib"
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    links = [f"-L{torch_lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join([*compiler, *FLAGS, abi, torch.__version__]).encode()
+        SOURCE.read_bytes() + " ".join([*compiler, *FLAGS, _abi(), torch.__version__]).encode()
     ).hexdigest()[:16]
-    path = _cache_dir() / f"decode_attention-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # built beside its final name and renamed into place: two servers starting at once never load half a file
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            built = Path(tmp) / path.name
-            cmd = [*compiler, *FLAGS, abi, *includes, str(SOURCE), "-o", str(built), *links]
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                return None, f"building it failed: {e}"
-            if done.returncode != 0:
-                last = (done.stderr.strip().splitlines() or ["?"])[-1]
-                log.warning("building the decode attention kernel failed: %s", done.stderr[-2000:])
-                return None, f"building it failed: {last}"
-            os.replace(built, path)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        return None, f"loading it failed: {e}"
-    return DecodeAttention(lib), f"gpuwise's AVX-512 decode attention ({path.name})"
+    cache = _cache_dir()
+    dir_fd, problem = _private_dir(cache)
+    private = dir_fd is not None
+    with contextlib.ExitStack() as stack:
+        if dir_fd is None:  # built for this process alone, in a directory of its own
+            where = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpuwise-kernels-")))
+            data = None
+        else:
+            stack.callback(os.close, dir_fd)
+            where = cache
+            data, rejected = _cached(dir_fd, key)
+            problem = f"the cached {rejected}" if rejected else ""
+        source = "cached"
+        if data is None:
+            data, failed = _build(compiler, where)
+            if data is None:
+                return _refused(problem, failed)
+            source = "built"
+            if dir_fd is not None:
+                digest = hashlib.sha256(data).hexdigest()
+                try:
+                    _write_private(dir_fd, f"decode_attention-{key}-{digest[:16]}.so", data)
+                    _write_private(dir_fd, f"decode_attention-{key}.sha256", f"{digest}\n".encode())
+                except OSError as e:  # a full disk: the build still serves this process
+                    log.debug("caching the decode attention kernel failed: %s", e)
+        try:
+            kernel = DecodeAttention(_dlopen(data, f"decode_attention-{key}.so", where))
+        except (OSError, AttributeError) as e:
+            return _refused(problem, f"loading it failed: {e}")
+        wrong = self_check(kernel)
+        if wrong:
+            return _refused(problem, f"its self-check against SDPA failed ({wrong})")
+    if problem:
+        log.warning("decode attention kernel: %s; %s", problem, "rebuilt it" if private else "built a private one")
+    return kernel, f"gpuwise's AVX-512 decode attention ({source}, checked against SDPA at load)"
+
+
+def _refused(problem: str, failed: str) -> tuple[None, str]:
+    """SDPA, and the one log line saying why (with the cache's problem where there was one)."""
+    log.warning("decode attention kernel: %s: serving with SDPA", f"{problem}; {failed}" if problem else failed)
+    return None, failed

@@ -228,6 +228,12 @@ class FusedDecoder:
                 kernel, why = None, f"{self.embed.dtype} or head dim {self.head_dim} is not one the kernel takes"
             self.attention, self.why = kernel, why if kernel is not None else f"SDPA ({why})"
 
+    def _drop_kernel(self, error: Exception) -> None:
+        """The decode kernel failed a call (its own shape check, or anything it raised): this decoder serves with
+        SDPA from now on, and says so in one log line, where the error used to end `serve`."""
+        log.warning("the decode attention kernel failed (%s): serving with SDPA", str(error).splitlines()[0])
+        self.attention, self.why = None, f"SDPA (the kernel failed: {error})"
+
     def packed(self) -> tuple[int, int]:
         """(products packed, bytes packing added: MKL's packed copies, or for oneDNN the tied output layer's
         weight, held twice)."""
@@ -323,8 +329,15 @@ class FusedDecoder:
             k_cache[index, at] = qk[:, :, H:]
             v_cache[index, at] = qkv[:, :, H + K :]
             keys, values = k_cache[rows, :length], v_cache[rows, :length]  # [n, length, K, D]
+            out = None
             if kernel is not None:
-                out = kernel(qk[:, 0, :H], keys, values, lens).view(n, 1, H * D)
+                try:
+                    out = kernel(qk[:, 0, :H], keys, values, lens).view(n, 1, H * D)
+                except (ValueError, RuntimeError) as e:  # the kernel refused this call: SDPA from here on
+                    self._drop_kernel(e)
+                    kernel = None
+            if out is not None:  # the kernel's
+                pass
             elif fold:
                 query = qk[:, 0, :H].reshape(n, K, H // K, D)
                 out = F.scaled_dot_product_attention(
