@@ -61,8 +61,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(kind: str, model_dir: str, dtype: str, log: Path, device: str = "cpu") -> tuple[subprocess.Popen, str, str]:
-    """(process, base URL, model id) of a fresh server."""
+def start(
+    kind: str, model_dir: str, dtype: str, log: Path, device: str = "cpu", extra: tuple[str, ...] = (), src: str = ""
+) -> tuple[subprocess.Popen, str, str]:
+    """(process, base URL, model id) of a fresh server; `extra`: more flags for gpuwise; `src`: another
+    checkout's src/ to run gpuwise from (its PYTHONPATH entry comes before the editable install's)."""
     port = free_port()
     if kind.startswith("gpuwise"):
         cmd = [
@@ -81,6 +84,7 @@ def start(kind: str, model_dir: str, dtype: str, log: Path, device: str = "cpu")
             "32",
         ]
         cmd += ["--prefix-cache", "0"] if kind == "gpuwise-no-prefix" else []
+        cmd += list(extra)
         model = Path(model_dir).name
     else:
         exe = str(Path(sys.executable).with_name("transformers"))
@@ -103,7 +107,7 @@ def start(kind: str, model_dir: str, dtype: str, log: Path, device: str = "cpu")
         cmd,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
-        env=dict(os.environ, GPUWISE_DB=str(log.with_suffix(".sqlite"))),
+        env=dict(os.environ, GPUWISE_DB=str(log.with_suffix(".sqlite")), **({"PYTHONPATH": src} if src else {})),
     )
     url = f"http://127.0.0.1:{port}/v1"
     deadline = time.time() + 300
@@ -188,6 +192,13 @@ def prefix_hits(url: str) -> str:
     return f"prefix cache hits {hit:.0f} of {asked:.0f} prompt tokens ({hit / asked:.0%})"
 
 
+def worktree(ref: str, where: Path) -> str:
+    """The src/ of a checkout of `ref` (a git worktree, removed with `git worktree prune` once `where` is gone)."""
+    tree = where / f"gpuwise-{ref}"
+    subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), ref], check=True, cwd=Path(__file__).parent)
+    return str(tree / "src")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (Linux /proc), to show that an idle server takes none."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -214,6 +225,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="each level, each server, this many times, interleaved")
     ap.add_argument("--levels", default="1,8,32", help="concurrency levels, of 1, 8, 32")
     ap.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
+    ap.add_argument(
+        "--baseline",
+        default="",
+        metavar="REF",
+        help="also serve gpuwise as of this git commit (a worktree of it, this venv), as server 'gpuwise@REF'",
+    )
     ap.add_argument(
         "--device",
         default="cpu",
@@ -244,12 +261,18 @@ def main() -> None:
     rows = []
     hits: dict[tuple[str, str], str] = {}
     kinds = args.servers.split(",")
+    src = {}
+    if args.baseline:
+        kinds.append(base := f"gpuwise@{args.baseline}")
+        names[base], src[base] = base, worktree(args.baseline, logs)
     for dtype in dtypes:
         bound = bounds(params, dtype, args.device)
         servers = {}
         try:
             for kind in kinds:
-                servers[kind] = start(kind, model_dir, dtype, logs / f"{kind}-{dtype}.log", args.device)
+                servers[kind] = start(
+                    kind, model_dir, dtype, logs / f"{kind}-{dtype}.log", args.device, src=src.get(kind, "")
+                )
                 asyncio.run(level(servers[kind][1], servers[kind][2], 1, 1))  # warm-up
             idle = {kind: cpu_seconds(proc.pid) for kind, (proc, _, _) in servers.items()}
             time.sleep(5)

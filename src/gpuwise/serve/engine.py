@@ -12,11 +12,12 @@ One engine thread owns the model. Each turn of its loop it
 Chunked prefill (Sarathi-Serve, Agrawal et al. OSDI 2024; vLLM's chunked prefill): a long prompt's forward
 would otherwise hold every running stream for its whole length (a 6k-token prompt held 32 streams for tens
 of seconds). Its chunks are sized by measured time, not a fixed token count, so the same rule holds on any
-device: while others decode, a chunk's cost is about `chunk_ratio` times the last decode steps' time; with
-nobody decoding, about `solo_chunk_s` (a newcomer's wait, and the granularity of the request timeout). Cost
-is counted in token-equivalents of the linear layers, `tokens x (1 + context / crossover)`, where the
-crossover is the context at which a token's attention costs as much as its matmuls (per layer: its weights
-/ (2 x heads x head dim)); the time per token-equivalent is measured on every prefill pass.
+device: while others decode, a chunk takes about `chunk_ratio` times the recent decode steps' time (1.5: a
+stream's time per token about 2.5x while a long prompt prefills); with nobody decoding, about `solo_chunk_s`
+(a newcomer's wait, and the granularity of the request timeout). Cost is counted in token-equivalents of the
+linear layers, `tokens x (1 + context / crossover)`, where the crossover is the context at which a token's
+attention costs as much as its matmuls (per layer: its weights / (2 x heads x head dim)); a pass's time is
+fitted to its cost over the recent prefill passes (`pass_time`).
 
 Why not transformers' own continuous batching (`generate_batch`, `transformers serve
 --continuous-batching`): `benchmarks/llm_serve_load.py` (SmolLM2-135M, 32 concurrent streams) measured this
@@ -250,9 +251,10 @@ class Engine:
     hold the top rows, `prefilling[k]` row slots-1-k, so that neither group's changes move the other's keys.
     A prompt that finishes prefilling is copied down to row d once (a short prompt: a few KB)."""
 
-    # A chunk's token-equivalents: at least this many (a long prompt always moves), at most this many
-    # (a bound on one pass's activations); until a prefill has been timed, the first pass takes the probe.
-    MIN_CHUNK, MAX_CHUNK, PROBE_CHUNK = 16, 8192, 512
+    # A prefill pass runs at least MIN_CHUNK tokens a row (a long prompt always moves, however busy the
+    # engine), and costs at most MAX_CHUNK token-equivalents (a bound on one pass's activations); until two
+    # passes of different sizes have been timed, a pass costs at most PROBE_CHUNK.
+    MIN_CHUNK, MAX_CHUNK, PROBE_CHUNK = 32, 8192, 512
 
     def __init__(
         self,
@@ -266,7 +268,7 @@ class Engine:
         stats: EngineStats | None = None,
         decoder: Callable[..., torch.Tensor] | None = None,
         prefix_tokens: int = 0,
-        chunk_ratio: float = 1.0,
+        chunk_ratio: float = 1.5,
         solo_chunk_s: float = 0.5,
     ):
         self.model, self.tok, self.decoder = model, tok, decoder
@@ -287,7 +289,7 @@ class Engine:
         self.chunk_ratio, self.solo_chunk_s = chunk_ratio, solo_chunk_s
         self.crossover = attention_crossover(model.config)
         self.decode_s: float | None = None  # a decode step's time, smoothed
-        self.unit_s: float | None = None  # a prefill token-equivalent's time, smoothed
+        self.passes: deque[tuple[float, float]] = deque(maxlen=32)  # recent prefill passes: (cost, seconds)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefilling: list[Sequence] = []
@@ -417,10 +419,12 @@ class Engine:
 
     def _chunk_budget(self) -> float:
         """Token-equivalents the next prefill pass may cost (see the module's docstring)."""
-        if self.unit_s is None:
+        fit = pass_time(self.passes)
+        if fit is None:
             return self.PROBE_CHUNK
+        fixed, per_unit = fit
         target = self.chunk_ratio * self.decode_s if self.running and self.decode_s else self.solo_chunk_s
-        return min(self.MAX_CHUNK, max(self.MIN_CHUNK, target / self.unit_s))
+        return min(self.MAX_CHUNK, max(0.0, target - fixed) / per_unit)
 
     def _width(self, budget: float) -> tuple[int, float]:
         """The most prompt tokens each prefilling row may run this pass (every row is padded to it), and
@@ -432,10 +436,11 @@ class Engine:
             reach = max(s.done + min(n, w) for s, n in zip(self.prefilling, left, strict=True))
             return rows * w * (1 + reach / self.crossover)
 
-        lo, hi = 1, max(left)
-        if cost(hi) <= budget:
+        hi = max(left)
+        lo = min(self.MIN_CHUNK, hi)
+        if cost(hi) <= budget or lo == hi:
             return hi, cost(hi)
-        while lo < hi:  # the widest within the budget; at least one token each
+        while lo < hi:  # the widest within the budget; at least MIN_CHUNK tokens each
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid - 1)
         return lo, cost(lo)
@@ -461,8 +466,7 @@ class Engine:
         mask = torch.arange(length).view(1, 1, 1, length) <= pos.unsqueeze(1).unsqueeze(-1)
         t0 = time.perf_counter()
         logits = self._forward(ids, pos, mask, first, [s.adapter for s in seqs])
-        spent = (time.perf_counter() - t0) / cost
-        self.unit_s = spent if self.unit_s is None else 0.7 * self.unit_s + 0.3 * spent
+        self.passes.append((cost, time.perf_counter() - t0))
         ready, ready_logits = [], []
         for i, (s, n) in enumerate(zip(seqs, runs, strict=True)):
             s.done += n
@@ -589,6 +593,23 @@ class Engine:
         if error is not None:
             event["error"] = repr(error)
         s.sink(event)
+
+
+def pass_time(passes) -> tuple[float, float] | None:
+    """(fixed seconds, seconds per token-equivalent) of a prefill pass, fitted by least squares to recent
+    passes: a pass has a cost that does not shrink with it (a small model's 30 layers of kernel launches and
+    dispatch took about as long as a decode step on 2 CPU cores), so time per token-equivalent alone would
+    make small chunks look dear and the next ones smaller still. None until two passes differ in size."""
+    if len({c for c, _ in passes}) < 2:
+        return None
+    n = len(passes)
+    mean_c, mean_t = sum(c for c, _ in passes) / n, sum(t for _, t in passes) / n
+    spread = sum((c - mean_c) ** 2 for c, _ in passes)
+    slope = sum((c - mean_c) * (t - mean_t) for c, t in passes) / spread
+    if slope <= 0:  # noise larger than the sizes' effect: all of it per token-equivalent
+        return 0.0, mean_t / mean_c
+    fixed = min(max(0.0, mean_t - slope * mean_c), min(t for _, t in passes))
+    return fixed, slope
 
 
 def attention_crossover(config) -> float:
