@@ -38,6 +38,18 @@ def check_key(host: str, api_key: str | None, exposes: str, cookie: bool = False
         raise GpuwiseError(f"--api-key: empty, or holds {kinds} can carry")
 
 
+HOST_HELP = (
+    "Address to bind; anything but loopback needs an API key. Requests are answered only when their Host names "
+    "this server: localhost, a loopback address, this address, or an --allowed-host (DNS rebinding: a web page "
+    "cannot reach the server through a name of its own). Bound to 0.0.0.0 or ::, where a key is required, any "
+    "Host is answered: the machine's names are not knowable there, and the key stops a page that is not yours."
+)
+ALLOWED_HOST_HELP = (
+    "Another name this server answers to in the Host header (repeatable; any port), e.g. the name a reverse "
+    "proxy passes on or a LAN name; '*' is refused: it would let any web page in."
+)
+
+
 def _check_port_free(host: str, port: int) -> None:
     """uvicorn logs a failed bind and exits; one line here instead."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -65,8 +77,9 @@ def serve(
             "base share it in memory."
         ),
     ] = None,
-    host: Annotated[str, typer.Option(help="Address to bind; anything but loopback needs an API key.")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help=HOST_HELP)] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
+    allowed_host: Annotated[list[str] | None, typer.Option(metavar="NAME", help=ALLOWED_HOST_HELP)] = None,
     max_batch: Annotated[
         int, typer.Option(min=1, max=65536, help="Items per forward pass at most (1: no batching).")
     ] = 32,
@@ -112,7 +125,10 @@ def serve(
     ] = "auto",
     cors_origin: Annotated[
         list[str] | None,
-        typer.Option(help="A browser origin allowed to call the API (repeatable; * for any)."),
+        typer.Option(
+            help="A browser origin allowed to call the API (repeatable; * for any). A request from any other "
+            "web page's origin (its Origin header) is a 403."
+        ),
     ] = None,
     grace: Annotated[
         float, typer.Option(min=0, max=86400, help="Seconds in-flight requests get after SIGTERM.")
@@ -128,6 +144,7 @@ def serve(
     import uvicorn
 
     from gpuwise.serve.app import Settings, create_app, server_config
+    from gpuwise.serve.hosts import allowed_hosts
     from gpuwise.serve.llm import LLM
     from gpuwise.serve.models import Limits, is_model, load_model, load_models, load_served, parse_models
 
@@ -146,6 +163,7 @@ def serve(
     if runtime not in ("torch", "onnx"):
         raise GpuwiseError(f"--runtime {runtime}: choose torch or onnx")
     check_key(host, api_key, "the model")
+    allowed_hosts(allowed_host)  # a bad name is one line now, not after the model loads
     _check_port_free(host, port)
     limits = Limits(
         max_body_bytes=int(max_body_mb * 2**20),
@@ -175,7 +193,17 @@ def serve(
     if run_dir is None:  # --model alone: /v1/info names the first model
         assert isinstance(served, LLM)
         run_dir = Path(served.names[0])
-    settings = Settings(str(run_dir), runtime, max_batch, max_wait_ms, api_key, limits, list(cors_origin or []))
+    settings = Settings(
+        str(run_dir),
+        runtime,
+        max_batch,
+        max_wait_ms,
+        api_key,
+        limits,
+        list(cors_origin or []),
+        host=host,
+        allowed_hosts=list(allowed_host or []),
+    )
     precision = served.precision if isinstance(served, LLM) else "fp32"  # image and ranking runs: fp32
     asgi = create_app(served, settings, run_id=run_dir.name, precision=precision)
     if isinstance(served, LLM):

@@ -8,8 +8,10 @@ import contextlib
 import hmac
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import Any
 from urllib.parse import unquote_to_bytes
 
 from fastapi import FastAPI
@@ -22,6 +24,7 @@ from pydantic import BaseModel, Field
 from gpuwise.errors import GpuwiseError
 from gpuwise.results import TrainSummary
 from gpuwise.serve.batcher import DynamicBatcher, ServeMetrics
+from gpuwise.serve.hosts import WebPolicy, allowed_hosts
 from gpuwise.serve.protocol import error_body
 from gpuwise.workloads.serving import ClientError, Limits, ServeContext
 
@@ -37,6 +40,8 @@ class Settings:
     api_key: str | None = None
     limits: Limits = field(default_factory=Limits)
     cors_origins: list[str] = field(default_factory=list)  # browser origins allowed to call the API
+    host: str = "127.0.0.1"  # the address it is bound to: a Host the server answers (serve/hosts.py)
+    allowed_hosts: list[str] = field(default_factory=list)  # other Host names it answers (--allowed-host)
 
     def __post_init__(self):
         self.limits = self.limits or Limits()  # an explicit None still means the defaults
@@ -87,19 +92,43 @@ def key_matches(headers: list[tuple[bytes, bytes]], key: bytes, cookie: bytes | 
 
 
 class Guard:
-    """The outermost layer of every request, as plain ASGI (no BaseHTTPMiddleware, which would hide a
-    client's disconnect from the routes): the API key, the body's size (counted as it arrives, a wrong or
-    absent Content-Length too) and its read time, and the request metrics, a 500 included."""
+    """The outermost layer of every request of `gpuwise serve` and `gpuwise ui`, as plain ASGI (no
+    BaseHTTPMiddleware, which would hide a client's disconnect from the routes): the Host and Origin rules
+    (serve/hosts.py), the API key, the body's size (counted as it arrives, a wrong or absent Content-Length
+    too) and its read time, and the request metrics, a 500 included.
 
-    def __init__(self, app, key: str | None, limits: Limits, metrics: ServeMetrics, cors: bool = False):
+    `error(status, message, headers)`: the answer's shape (serve's is OpenAI's; the ui's is its own);
+    `cookie`: the cookie that may carry the key (the ui's page); `open_path(path)`: paths that need no key (the
+    ui's page, which holds no data); `forwards(path)`: paths that act even on a GET (the ui's forwarding)."""
+
+    def __init__(
+        self,
+        app,
+        key: str | None,
+        limits: Limits,
+        metrics: ServeMetrics | None,
+        cors: bool = False,
+        *,
+        web: WebPolicy | None = None,
+        error: Callable[..., Any] | None = None,
+        cookie: bytes | None = None,
+        open_path: Callable[[str], bool] | None = None,
+        forwards: Callable[[str], bool] | None = None,
+        unauthorized: str = "missing or wrong API key (X-API-Key or Authorization: Bearer)",
+    ):
         self.app, self.limits, self.metrics, self.cors = app, limits, metrics, cors
         # Compared as UTF-8 bytes, as the client sent them: HTTP headers are bytes, and decoding them
         # (Starlette takes latin-1) would never match a non-ASCII key.
         self.key = key.encode("utf-8") if key else None
+        self.web = web or WebPolicy(keyed=self.key is not None)
+        self.error = error or (lambda status, message, headers: _error(status, message, **headers))
+        self.cookie, self.unauthorized = cookie, unauthorized
+        self.open_path = open_path or (lambda _: False)
+        self.forwards = forwards or (lambda _: False)
 
     def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
         assert self.key is not None  # __call__ asks only when a key is set
-        return key_matches(headers, self.key)
+        return key_matches(headers, self.key, self.cookie)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -110,14 +139,20 @@ class Guard:
         async def reply(code: int, message: str, **headers) -> None:
             nonlocal status
             status = code
-            await _error(code, message, **headers)(scope, receive, send)
+            await self.error(code, message, headers)(scope, receive, send)
 
+        path = scope.get("path", "")
+        # Which page sent it, before the key: a rebinding page learns nothing, not even that a key is asked.
+        web = self.web.refusal(scope, self.forwards(path))
+        if web is not None:
+            await reply(*web)
+            return self._count(scope, start, web[0], "any")
         # A browser's CORS preflight (OPTIONS) carries no key by design; the CORS middleware answers it.
         preflight = self.cors and scope.get("method") == "OPTIONS"
-        if self.key is not None and not preflight and not self._authorized(scope["headers"]):
-            await reply(401, "missing or wrong API key (X-API-Key or Authorization: Bearer)", **_BEARER)
-            self.metrics.requests.labels("any", "401").inc()
-            return
+        needs_key = self.key is not None and not preflight and not self.open_path(path)
+        if needs_key and not self._authorized(scope["headers"]):
+            await reply(401, self.unauthorized, **_BEARER)
+            return self._count(scope, start, 401, "any")
         declared = dict(scope["headers"]).get(b"content-length")
         too_large = f"request body over the limit of {limits.max_body_bytes:,} bytes"
         if declared and declared.isdigit() and int(declared) > limits.max_body_bytes:
@@ -158,17 +193,21 @@ class Guard:
                 await reply(e.status, e.message)
         except Exception:  # noqa: BLE001 - a bug of ours: logged, counted, and one JSON line to the client
             log.exception("internal error on %s %s", scope.get("method"), scope.get("path"))
-            self.metrics.internal_errors.inc()
+            if self.metrics is not None:
+                self.metrics.internal_errors.inc()
             status = 500
             if not started:
                 await reply(500, "internal error (logged by the server)")
         self._count(scope, start, status)
 
-    def _count(self, scope, start: float, status: int) -> None:
+    def _count(self, scope, start: float, status: int, endpoint: str | None = None) -> None:
+        if self.metrics is None:  # the ui keeps no metrics
+            return
         route = scope.get("route")  # the route's template, so a scan of random paths adds no series
-        endpoint = getattr(route, "path", "unmatched")
+        endpoint = endpoint or getattr(route, "path", "unmatched")
         self.metrics.requests.labels(endpoint, str(status)).inc()
-        self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+        if endpoint != "any":  # refused before any route: counted, not timed (as the 401 always was)
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
 
 
 def _trained(run_dir: str) -> TrainSummary | None:
@@ -260,7 +299,10 @@ def create_app(served, settings: Settings, run_id: str, precision: str):
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"], allow_headers=["*"]
         )
-    return Guard(app, settings.api_key, limits, metrics, cors=bool(settings.cors_origins))
+    web = WebPolicy(
+        settings.host, allowed_hosts(settings.allowed_hosts), tuple(settings.cors_origins), bool(settings.api_key)
+    )
+    return Guard(app, settings.api_key, limits, metrics, cors=bool(settings.cors_origins), web=web)
 
 
 def _unavailable_app(max_connections: int):
