@@ -67,8 +67,16 @@ def endpoints(finished_run, tmp_path_factory):
         yield [(images.url, None, direct_images), (chat.url, "k", direct_chat)]
 
 
+def client(**kw) -> TestClient:
+    """The ui's app in-process, reached as a browser on this machine reaches it (Host 127.0.0.1), carrying the
+    per-launch token where the app made one (it holds an endpoint's key and no key of its own)."""
+    app = create_app(**kw)
+    auth = {"Authorization": f"Bearer {app.token}"} if app.token else {}
+    return TestClient(app, base_url="http://127.0.0.1:8300", headers=auth)
+
+
 def ui_client(runs_dir: Path, eps) -> TestClient:
-    return TestClient(create_app(runs_dir=runs_dir, endpoints=[Endpoint(url, key) for url, key, _ in eps]))
+    return client(runs_dir=runs_dir, endpoints=[Endpoint(url, key) for url, key, _ in eps])
 
 
 def sse_text(body: str) -> tuple[str, dict]:
@@ -85,7 +93,7 @@ def test_the_models_page_lists_what_serve_would_serve_and_what_each_endpoint_ans
     images, chat = models["endpoints"]
     assert images["up"] and images["images"] and images["chat"] == [] and images["info"]["workload"] == "defects"
     assert chat["up"] and not chat["images"] and chat["chat"] == ["product-lm"]  # its key sent by the ui
-    unkeyed = TestClient(create_app(runs_dir=finished_run.parent, endpoints=[Endpoint(endpoints[1][0])]))
+    unkeyed = client(runs_dir=finished_run.parent, endpoints=[Endpoint(endpoints[1][0])])
     (refused,) = unkeyed.get("/api/models").json()["endpoints"]
     assert not refused["up"] and "missing or wrong API key" in refused["error"]
 
@@ -115,7 +123,7 @@ def test_an_endpoint_that_is_down_is_a_502_and_a_line_not_a_trace(finished_run):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    ui = TestClient(create_app(runs_dir=finished_run.parent, endpoints=[Endpoint(dead)]))
+    ui = client(runs_dir=finished_run.parent, endpoints=[Endpoint(dead)])
     got = ui.post("/api/endpoints/0/v1/chat/completions", json={})
     assert got.status_code == 502 and got.json()["error"] == f"{dead} is not answering (ConnectError)"
     (down,) = ui.get("/api/models").json()["endpoints"]
@@ -138,7 +146,7 @@ def test_the_plan_page_answers_what_gpuwise_plan_json_prints(capsys, query):
     params = dict(p.split("=") for p in query.split("&"))
     flags = [x for k, v in params.items() for x in (f"--{k}", v)]
     expected = cli_plan(capsys, *flags)
-    got = TestClient(create_app()).get(f"/api/plan?{query}")
+    got = client().get(f"/api/plan?{query}")
     assert got.status_code == 200
     assert got.json() == expected
 
@@ -155,7 +163,7 @@ def test_the_plan_page_answers_what_gpuwise_plan_json_prints(capsys, query):
     ],
 )
 def test_bad_plan_input_is_a_400_with_the_clis_line_beside_its_field(capsys, tmp_path, query, field, message):
-    got = TestClient(create_app()).get(f"/api/plan?{query}")
+    got = client().get(f"/api/plan?{query}")
     assert got.status_code == 400
     assert got.json()["field"] == field and message in got.json()["error"]
     if "must divide" in message or "must be at least" in message:  # the planner's own checks: the CLI's words
@@ -167,32 +175,34 @@ def test_bad_plan_input_is_a_400_with_the_clis_line_beside_its_field(capsys, tmp
 def test_a_non_model_file_is_refused_in_one_line(tmp_path):
     junk = tmp_path / "photo.gguf"
     junk.write_bytes(b"\x89PNG not a model")
-    got = TestClient(create_app()).get(f"/api/plan?model={junk}")
+    got = client().get(f"/api/plan?model={junk}")
     assert got.status_code == 400 and got.json()["field"] == "model" and "\n" not in got.json()["error"]
 
 
 def test_the_runs_api_lists_a_finished_run_with_its_curves_and_planned_beside_measured(finished_run):
-    client = TestClient(create_app(runs_dir=finished_run.parent))
-    rows = client.get("/api/runs").json()
+    ui = client(runs_dir=finished_run.parent)
+    rows = ui.get("/api/runs").json()
     assert [(r["key"], r["status"], r["workload"]) for r in rows] == [("defects-tiny", "finished", "defects")]
-    assert client.get("/api/runs?status=running").json() == []
-    run = client.get("/api/runs/defects-tiny").json()
+    assert ui.get("/api/runs?status=running").json() == []
+    run = ui.get("/api/runs/defects-tiny").json()
     assert [p[0] for p in run["curves"]["loss"]] == list(range(1, 7))
     assert run["summary"]["actual"]["peak_bytes"] > 0 and run["config"]["max_steps"] == 6
-    assert client.get("/runs/defects-tiny/report").text.startswith("<!doctype html>")
-    for bad in ("..", "nope", "999"):
-        assert client.get(f"/api/runs/{bad}").status_code in (400, 404)
+    assert ui.get("/runs/defects-tiny/report").text.startswith("<!doctype html>")
+    for bad in ("..", "nope", "999", "٣", "３"):  # int() reads '٣' as record 3: ASCII digits only
+        got = ui.get(f"/api/runs/{bad}")
+        message = got.json().get("error") or got.json()["detail"]  # '..': no route (the client drops it)
+        assert got.status_code in (400, 404) and "\n" not in message, (bad, got.text)
 
 
 def test_with_a_key_every_data_path_needs_it_and_the_page_does_not(finished_run):
-    client = TestClient(create_app(runs_dir=finished_run.parent, key="s3cret"))
-    assert client.get("/").status_code == 200 and client.get("/static/app.js").status_code == 200
-    assert client.get("/api/plan?model=llama-3.1-8b").status_code == 401
-    assert client.get("/runs/defects-tiny/report").status_code == 401
+    ui = client(runs_dir=finished_run.parent, key="s3cret")
+    assert ui.get("/").status_code == 200 and ui.get("/static/app.js").status_code == 200
+    assert ui.get("/api/plan?model=llama-3.1-8b").status_code == 401
+    assert ui.get("/runs/defects-tiny/report").status_code == 401
     ok = {"Authorization": "Bearer s3cret"}
-    assert client.get("/api/plan?model=llama-3.1-8b", headers=ok).status_code == 200
-    client.cookies.set("gpuwise_key", "s3cret")  # what the page sets for its links
-    assert client.get("/runs/defects-tiny/report").status_code == 200
+    assert ui.get("/api/plan?model=llama-3.1-8b", headers=ok).status_code == 200
+    ui.cookies.set("gpuwise_key", "s3cret")  # what the page sets for its links
+    assert ui.get("/runs/defects-tiny/report").status_code == 200
 
 
 def test_off_loopback_without_a_key_is_refused(capsys):
@@ -200,7 +210,7 @@ def test_off_loopback_without_a_key_is_refused(capsys):
     assert "set --api-key" in capsys.readouterr().err
 
 
-def test_a_chat_the_page_stops_frees_the_endpoints_slot(server, endpoints):
+def test_a_chat_the_page_stops_frees_the_endpoints_slot(launched, endpoints):
     """The page's Stop (or a closed tab) drops the forwarded stream; serve sees the disconnect and stops
     generating for nobody, as it does for a client of its own."""
     direct = endpoints[1][2]
@@ -212,7 +222,10 @@ def test_a_chat_the_page_stops_frees_the_endpoints_slot(server, endpoints):
     before = generated()
     ask = {"model": "product-lm", "messages": [{"role": "user", "content": "my dog"}], "max_tokens": 400,
            "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{server}/api/endpoints/1/v1/chat/completions", json=ask, timeout=30) as s:
+    url, token = launched
+    chat = f"{url}/api/endpoints/1/v1/chat/completions"
+    assert httpx.post(chat, json=ask).status_code == 401  # the endpoint's key is lent to no one without the token
+    with httpx.stream("POST", chat, json=ask, timeout=30, headers={"Authorization": f"Bearer {token}"}) as s:
         assert s.status_code == 200, s.read()
         next(line for line in s.iter_lines() if line.startswith("data: "))
     deadline = time.time() + 5
@@ -231,27 +244,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(finished_run, second_run, endpoints, tmp_path_factory):
+def launch_ui(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str, str | None]:
+    """`gpuwise ui ARGS` on a free loopback port: the process, its URL, and the token of the URL it printed."""
     port = free_port()
-    env = dict(os.environ, GPUWISE_DB=str(finished_run.parents[1] / "runs.sqlite"), GPUWISE_ENDPOINT_KEY="k")
-    cmd = [sys.executable, "-m", "gpuwise", "ui", "--port", str(port), "--runs-dir", str(finished_run.parent)]
-    cmd += ["--endpoint", endpoints[0][0], "--endpoint", endpoints[1][0] + "/v1"]  # the OpenAI base URL too
+    cmd = [sys.executable, "-m", "gpuwise", "ui", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    printed = proc.stdout.readline()  # "gpuwise ui on http://127.0.0.1:PORT/[?token=...] (Ctrl-C stops it)"
+    assert f"http://127.0.0.1:{port}/" in printed, printed + proc.stdout.read() if proc.poll() is not None else printed
+    token = printed.split("?token=")[1].split()[0] if "?token=" in printed else None
     for _ in range(200):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
             break
         except OSError:
             time.sleep(0.1)
-    yield url
+    return proc, f"http://127.0.0.1:{port}", token
+
+
+@pytest.fixture(scope="module")
+def launched(finished_run, second_run, endpoints, tmp_path_factory):
+    """`gpuwise ui` as a user starts it: with the endpoints' key and no key of its own, so with a token."""
+    env = dict(os.environ, GPUWISE_DB=str(finished_run.parents[1] / "runs.sqlite"), GPUWISE_ENDPOINT_KEY="k")
+    env.pop("GPUWISE_API_KEY", None)
+    args = ["--runs-dir", str(finished_run.parent)]
+    args += ["--endpoint", endpoints[0][0], "--endpoint", endpoints[1][0] + "/v1"]  # the OpenAI base URL too
+    proc, url, token = launch_ui(*args, env=env)
+    assert token is not None, "a ui holding an endpoint key and no key of its own printed no token"
+    yield url, token
     proc.terminate()
     proc.wait(10)
 
 
 @pytest.fixture(scope="module")
-def page():
+def server(launched) -> str:
+    return launched[0]
+
+
+@pytest.fixture(scope="module")
+def page(launched):
+    """A Chromium tab that opened the URL `gpuwise ui` printed, as a user does: its token became the key cookie,
+    and left the address bar."""
+    url, token = launched
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("no chromium here: apt-get install chromium (.ci/run does)")
@@ -260,6 +293,10 @@ def page():
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(f"{url}/?page=plan&token={token}")
+        assert page.url == f"{url}/?page=plan"  # the token left the address bar (and the history)
+        cookie = next(c for c in page.context.cookies() if c["name"] == "gpuwise_key")
+        assert cookie["value"] == token and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
         yield page
         browser.close()
 
@@ -354,3 +391,19 @@ def test_a_person_chats_with_a_served_model_and_drops_an_image_on_another(
     page.wait_for_selector("#prediction")
     assert f"probability {direct['predictions'][0]['probability']:.3f}" in page.inner_text("#prediction")
     shot(page, "ui-models.png", tmp_path)
+
+
+@pytest.mark.slow
+def test_a_tab_without_the_token_is_asked_for_it_and_works_once_given(launched, page):
+    url, token = launched
+    fresh = page.context.browser.new_page()  # a context of its own: no cookie from the printed URL
+    try:
+        fresh.goto(f"{url}/?page=runs")
+        fresh.wait_for_selector("#keybox:not([hidden])")
+        assert "open the URL gpuwise ui printed" in fresh.inner_text("#runsout")
+        assert fresh.locator("#runstable").count() == 0  # nothing of the record without it
+        fresh.fill("#key", token)
+        fresh.press("#key", "Tab")  # committed: the page keeps it and asks again
+        fresh.wait_for_selector("#runstable tbody tr")
+    finally:
+        fresh.close()

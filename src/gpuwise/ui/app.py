@@ -10,16 +10,22 @@ field it is about; nothing a user types gives a 5xx.
 
 from __future__ import annotations
 
+import hmac
 import json
 import math
+import secrets
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlencode
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from gpuwise.errors import GpuwiseError
+from gpuwise.serve.app import Guard
+from gpuwise.ui.endpoints import MAX_BODY
+from gpuwise.workloads.serving import Limits
 
 STATIC = Path(__file__).parent / "static"
 
@@ -41,6 +47,16 @@ def _field_of(message: str) -> str | None:
     return None
 
 
+def _run_key(key: str) -> str:
+    """A run's page key: a record id in ASCII digits, or a run directory's name ('٣' is neither: int() would
+    read it as record 3)."""
+    if key.isdigit() and not key.isascii():
+        raise FieldError(None, f"run '{key[:40]}': a record id is written in ASCII digits (0-9)")
+    if key.isdigit() and len(key) > 19:  # past SQLite's 64-bit ids, and past what int() takes (4,300 digits)
+        raise FieldError(None, f"run '{key[:40]}...': no record has an id that long")
+    return key
+
+
 def plan_request(params: dict[str, str]):
     """The form's query string as a PlanRequest, its fields under `gpuwise plan`'s names (dashes for
     underscores), unset ones at the request's own defaults: each number parsed here, each range checked by
@@ -58,12 +74,11 @@ def plan_request(params: dict[str, str]):
             continue
         flag = "--" + name.replace("_", "-")
         if kinds[name] == "int":
-            try:
-                values[name] = int(raw)
-            except ValueError:
-                raise FieldError(name, f"{flag} must be a whole number, not '{raw[:40]}'") from None
+            values[name] = ascii_int(raw, flag, name)
         elif kinds[name] == "float":
             try:
+                if not raw.isascii():  # float() also takes other scripts' digits ('٣.٥')
+                    raise ValueError(raw)
                 values[name] = float(raw)
             except ValueError:
                 raise FieldError(name, f"{flag} must be a number, not '{raw[:40]}'") from None
@@ -76,27 +91,33 @@ def plan_request(params: dict[str, str]):
 
 
 COOKIE = b"gpuwise_key"
+FORWARDS = "/api/endpoints/"  # the paths that act for the page: its chats and images, sent on to an endpoint
 
 
-class KeyGuard:
-    """`gpuwise serve`'s rule: with a key set, every data path (/api, a run's report) needs it, as a header
-    or as the cookie the page sets once the user typed it. The page itself (/, /static) holds no data."""
+def _is_page(path: str) -> bool:
+    """The page itself (/, /static) holds no data: it loads without a key, and asks for one."""
+    return path == "/" or path.startswith("/static/")
 
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode("utf-8")
 
-    async def __call__(self, scope, receive, send):
-        from gpuwise.serve.app import key_matches
+def _error(status: int, message: str, headers: dict[str, str]) -> JSONResponse:
+    """The ui's own answers' shape, {"error": line, "field": the form field or None}, which the page shows."""
+    return JSONResponse({"error": message, "field": "key" if status == 401 else None}, status, headers or None)
 
-        path = scope.get("path", "")
-        page = path == "/" or path.startswith("/static/")
-        if scope["type"] == "http" and not page and not key_matches(scope["headers"], self.key, cookie=COOKIE):
-            body = json.dumps({"error": "missing or wrong API key", "field": "key"}).encode()
-            headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
-            await send({"type": "http.response.start", "status": 401, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-            return
-        await self.app(scope, receive, send)
+
+def ascii_int(raw: str, what: str, field: str | None = None) -> int:
+    """A whole number a user typed or a path holds, in ASCII digits only: int() also takes '٣' and '３'."""
+    text = raw.strip()
+    digits = text[1:] if text[:1] in "+-" else text
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 4000:  # int() refuses over 4,300 digits
+        raise FieldError(field, f"{what} must be a whole number, not '{raw[:40]}'")
+    return int(text)
+
+
+class Ui(Guard):
+    """The ui's ASGI app: serve's Guard (Host and Origin, key, body cap and read deadline) around the page's
+    API. `token`: the per-launch token made for it, or None."""
+
+    token: str | None = None
 
 
 def create_app(
@@ -104,14 +125,47 @@ def create_app(
     runs_dir: Path = Path("runs"),
     key: str | None = None,
     endpoints: list | None = None,
-):
+    *,
+    host: str = "127.0.0.1",
+    allowed_hosts: list[str] | None = None,
+    limits: Limits | None = None,
+) -> Ui:
     """The ASGI app `gpuwise ui` serves; `key`: required on every data path when set; `endpoints`: running
-    `gpuwise serve` processes (ui.endpoints.Endpoint) the Models page talks to."""
-    app = _app(catalog_files, runs_dir, endpoints or [])
-    return KeyGuard(app, key) if key else app
+    `gpuwise serve` processes (ui.endpoints.Endpoint) the Models page talks to; `host`, `allowed_hosts`: the
+    Host names it answers (serve/hosts.py); `limits`: its body cap and read deadline (serve's Limits).
+
+    A ui holding an endpoint's key never lends it to whoever reaches it: without a key of its own it makes a
+    per-launch token (as Jupyter does), the returned app's `.token`, required as the key. `gpuwise ui` prints
+    the URL with ?token=...; the page's first load with it sets the key cookie, then drops it from the URL."""
+    from gpuwise.serve.hosts import WebPolicy
+    from gpuwise.serve.hosts import allowed_hosts as names
+
+    endpoints = endpoints or []
+    token = secrets.token_urlsafe(32) if key is None and any(ep.key for ep in endpoints) else None
+    key = key or token
+    web = WebPolicy(host, names(allowed_hosts), keyed=key is not None, cors_flag=None)
+    unauthorized = (
+        "missing or wrong token: open the URL gpuwise ui printed (it ends in ?token=...)"
+        if token
+        else "missing or wrong API key"
+    )
+    app = Ui(
+        _app(catalog_files, runs_dir, endpoints, key),
+        key,
+        limits or Limits(max_body_bytes=MAX_BODY),
+        None,
+        web=web,
+        error=_error,
+        cookie=COOKIE,
+        open_path=_is_page,
+        forwards=lambda path: path.startswith(FORWARDS),
+        unauthorized=unauthorized,
+    )
+    app.token = token
+    return app
 
 
-def _app(catalog_files: list[Path] | None, runs_dir: Path, endpoints: list) -> FastAPI:
+def _app(catalog_files: list[Path] | None, runs_dir: Path, endpoints: list, key: str | None) -> FastAPI:
     from gpuwise.hardware.catalog import load_catalog
 
     load_catalog(catalog_files)  # a broken --catalog is one line at start, not a 400 on every plan
@@ -128,7 +182,16 @@ def _app(catalog_files: list[Path] | None, runs_dir: Path, endpoints: list) -> F
         return JSONResponse({"error": message, "field": field}, status_code=400)
 
     @app.get("/", include_in_schema=False)
-    async def index() -> FileResponse:
+    async def index(request: Request) -> Response:
+        given = request.query_params.get("token")
+        if given is not None and key is not None and hmac.compare_digest(given.encode(), key.encode()):
+            # The printed URL's token becomes the key cookie the page's calls carry, and leaves the address
+            # bar (and the history) by a redirect to the same page without it.
+            rest = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "token"])
+            page = RedirectResponse("/" + (f"?{rest}" if rest else ""), 303, headers={"Cache-Control": "no-store"})
+            cookie = f"{COOKIE.decode()}={quote(given, safe='')}; Path=/; HttpOnly; SameSite=Strict"
+            page.headers.append("set-cookie", cookie)
+            return page
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
     @app.get("/api/options")
@@ -175,19 +238,19 @@ def _app(catalog_files: list[Path] | None, runs_dir: Path, endpoints: list) -> F
             if (not workload or r["workload"] == workload) and (not status or r["status"] == status)
         ]
 
-    @app.get("/api/runs/{key}")
-    def run(key: str) -> JSONResponse:
+    @app.get("/api/runs/{run}")
+    def run(run: str) -> JSONResponse:
         from gpuwise.files import to_json
         from gpuwise.ui.records import run_detail
 
-        return JSONResponse(json.loads(to_json(run_detail(key, runs_dir))))
+        return JSONResponse(json.loads(to_json(run_detail(_run_key(run), runs_dir))))
 
-    @app.get("/runs/{key}/report", response_class=HTMLResponse)
-    def report(key: str) -> HTMLResponse:
+    @app.get("/runs/{run}/report", response_class=HTMLResponse)
+    def report(run: str) -> HTMLResponse:
         from gpuwise.report.html import run_report
         from gpuwise.ui.records import run_path
 
-        return HTMLResponse(run_report(run_path(key, runs_dir)))
+        return HTMLResponse(run_report(run_path(_run_key(run), runs_dir)))
 
     @app.get("/api/bench")
     def bench() -> JSONResponse:
@@ -206,17 +269,15 @@ def _app(catalog_files: list[Path] | None, runs_dir: Path, endpoints: list) -> F
         return {"servable": await asyncio.to_thread(servable, runs_dir), "endpoints": list(found)}
 
     @app.api_route("/api/endpoints/{index}/{path:path}", methods=["GET", "POST"])
-    async def endpoint(index: int, path: str, request: Request):
-        from gpuwise.ui.endpoints import MAX_BODY, forward
+    async def endpoint(index: str, path: str, request: Request):
+        from gpuwise.ui.endpoints import forward
 
-        if not 0 <= index < len(endpoints):
+        number = ascii_int(index, "an endpoint's number")
+        if not 0 <= number < len(endpoints):
             return JSONResponse({"error": f"no endpoint #{index}: start gpuwise ui with --endpoint URL"}, 404)
-        length = request.headers.get("content-length") or "0"
-        if not (length.isascii() and length.isdigit()):  # int() would take other scripts' digits
-            return JSONResponse({"error": f"Content-Length {length[:40]!r} is not a number", "field": None}, 400)
-        if int(length) > MAX_BODY:
-            return JSONResponse({"error": f"larger than {MAX_BODY >> 20} MB", "field": "file"}, 413)
+        # Guard (serve/app.py) counts the body as it arrives and cuts it off at the ui's cap with a 413, a
+        # chunked one too: what is read here is at most that much.
         body = await request.body()
-        return await forward(endpoints[index], request.method, path, body, request.headers.get("content-type"))
+        return await forward(endpoints[number], request.method, path, body, request.headers.get("content-type"))
 
     return app

@@ -2,7 +2,8 @@
 
 `gpuwise ui --endpoint URL` (repeatable) names running `gpuwise serve` processes. The page reaches them through
 this process rather than directly: a serve endpoint answers no other browser origin unless it was started with
-`--cors-origin`, and its API key stays in this process instead of being typed into the page. Only the paths the
+`--cors-origin`, and its API key stays in this process instead of being typed into the page; it is lent to no
+one: a ui that holds it requires a key of its own, or the per-launch token it prints (ui/app.py). Only the paths the
 page uses are forwarded, the answer streamed through as it comes (a chat reply's server-sent events), and a page
 that stops reading (its Stop button, a closed tab) closes the forwarded request, which frees serve's slot.
 """
@@ -24,7 +25,9 @@ FORWARDED = {
     ("POST", "v1/chat/completions"),
     ("POST", "v1/predict"),
 }
-MAX_BODY = 64 << 20  # an upload this process holds before forwarding; serve's own --max-body-mb refuses less
+# The body cap of `gpuwise ui` (--max-body-mb): an upload this process holds before forwarding, counted as it
+# arrives (a chunked one too) by serve's Guard; serve's own --max-body-mb refuses less.
+MAX_BODY = 64 << 20
 CONNECT_S, READ_S = 5.0, 300.0  # serve bounds each request itself (--timeout); this only stops a hung socket
 
 

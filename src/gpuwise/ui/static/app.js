@@ -46,7 +46,9 @@ async function api(path) {
   const r = await fetch(path, { headers: auth() });
   if (r.status === 401) {
     $("#keybox").hidden = false;
-    throw { error: "this server needs its API key: type it above", field: "key" };
+    // the server's own line: its API key, or (a ui holding an endpoint's key) the URL with the token it printed
+    const said = await r.json().catch(() => ({}));
+    throw { error: `${said.error || "this server needs its API key"} (or type it above)`, field: "key" };
   }
   const body = await r.json().catch(() => ({ error: `the server answered ${r.status}` }));
   if (!r.ok) throw body;
