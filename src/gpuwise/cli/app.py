@@ -69,6 +69,11 @@ app.command()(ui.ui)
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: bad input of any kind is one line on stderr and exit code 2, never a traceback."""
+    from gpuwise.workloads.registry import forget_given
+
+    # The Python path was cleaned when gpuwise.cli was imported, for this process's own command line; a
+    # program calling main(argv) keeps its path as it set it.
+    forget_given()  # what an earlier command line in this process named does not carry over
     command = typer.main.get_command(app)
     retain_freed_memory()
     try:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from gpuwise.cli.options import JsonOpt, console, emit
+from gpuwise.cli.options import JsonOpt, WorkloadOpt, console, emit
 from gpuwise.errors import GpuwiseError
 
 EPILOG = "Example: gpuwise export runs/WORKLOAD-20261130-101500 --format onnx"
@@ -20,6 +20,7 @@ def _size(n: int) -> str:
 def export(
     run_dir: Annotated[Path, typer.Argument(help="A finished run of a workload with an ONNX graph.")],
     fmt: Annotated[str, typer.Option("--format", help="onnx (the only one): writes RUN_DIR/model.onnx.")] = "onnx",
+    confirmed: WorkloadOpt = None,
     as_json: JsonOpt = False,
 ):
     """Write the trained model as ONNX (dynamic batch), then run onnxruntime and torch on the same

@@ -1,4 +1,5 @@
-"""What every command shares: the console, the --json and --catalog options, and the one JSON printer."""
+"""What every command shares: the console, the --json, --catalog and --workload options, and the one JSON
+printer."""
 
 from __future__ import annotations
 
@@ -21,6 +22,30 @@ CatalogOpt = Annotated[
         help="A CSV of your own accelerators or prices (same columns as `gpuwise hardware "
         "--json` rows; see README). Repeatable; also GPUWISE_CATALOG=FILE[:FILE].",
         metavar="FILE",
+    ),
+]
+
+
+def _workload_named(value: str | None) -> str | None:
+    if value:
+        from gpuwise.workloads.registry import name_given
+
+        name_given(value, flag=True)
+    return value
+
+
+# A run's config.yaml may name a workload by its built-in or entry-point name; a package.module:Class it
+# names is imported only when the user names it here too (a file in a run directory must not choose code
+# to run). The callback tells the registry, so a command only declares the option.
+WorkloadOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--workload",
+        callback=_workload_named,
+        metavar="PACKAGE.MODULE:CLASS",
+        help="The workload the run was trained with, when it is your own package.module:Class (its config.yaml "
+        "names it, but a run directory cannot choose code to import): checked against config.yaml.",
+        show_default=False,
     ),
 ]
 

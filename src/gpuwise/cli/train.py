@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from gpuwise.cli.options import JsonOpt, console, emit
+from gpuwise.cli.options import JsonOpt, WorkloadOpt, console, emit
 from gpuwise.errors import GpuwiseError
 from gpuwise.workloads.registry import described
 
@@ -93,6 +93,7 @@ def train(
     resume: Annotated[
         Path | None, typer.Option(help="Continue the run in this directory from its newest whole checkpoint.")
     ] = None,
+    confirmed: WorkloadOpt = None,
     as_json: JsonOpt = False,
 ):
     """Train a workload on the best device here: data -> forward -> loss -> update, checkpoints, evaluation."""
@@ -104,13 +105,24 @@ def train(
     progress_console = Console(stderr=True)
     if resume is not None:
         if workload is not None:
-            raise GpuwiseError("--resume continues a run with its saved config: give no WORKLOAD with it")
+            raise GpuwiseError(
+                "--resume continues a run with its saved config: give no WORKLOAD with it "
+                "(your own package.module:Class goes in --workload)"
+            )
         summary = resume_run(resume, console=progress_console)
     else:
         if workload is None:
             raise GpuwiseError(f"name a workload: {WORKLOAD_HELP} (or --resume RUN_DIR)")
-        if micro_batch_size != "auto" and not micro_batch_size.isdigit():
+        if confirmed is not None:
+            raise GpuwiseError(
+                "--workload confirms the workload of a run read from disk (--resume): name it as WORKLOAD"
+            )
+        # str.isdigit() holds for '²' and '٣', which int() then refuses or reads as 3: only 0-9 are a number here
+        if micro_batch_size != "auto" and not (micro_batch_size.isascii() and micro_batch_size.isdigit()):
             raise GpuwiseError(f"--micro-batch-size must be a positive integer or auto, not '{micro_batch_size}'")
+        from gpuwise.workloads.registry import name_given
+
+        name_given(workload)  # the parts of a run (Workload.parts) read it back from their config.yaml
         cfg = TrainConfig(
             workload=workload,
             data=str(data) if data else None,
@@ -154,6 +166,7 @@ def predict(
     ],
     k: Annotated[int, typer.Option(min=1, max=10_000, help="Ranking workloads: items per user.")] = 10,
     max_tokens: Annotated[int, typer.Option(min=1, max=100_000, help="Language models: tokens to generate.")] = 40,
+    confirmed: WorkloadOpt = None,
     as_json: JsonOpt = False,
 ):
     """Run a trained model on new inputs."""

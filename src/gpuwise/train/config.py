@@ -57,7 +57,8 @@ class TrainConfig:
     model: str | None = None  # which of its models a workload trains, where it has several (its `validate` checks)
 
     def workload_def(self, untrusted_dir: Path | None = None) -> Workload:
-        """The workload this config names; `untrusted_dir`: the run directory the config was read from."""
+        """The workload this config names; `untrusted_dir`: the run directory the config was read from
+        (registry.get: a package.module:Class from there must also be named on the command line)."""
         return get(self.workload, untrusted_dir)
 
     def validate(self, check_paths: bool = True, run_dir: Path | None = None) -> None:
@@ -140,7 +141,11 @@ class TrainConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict, where: str = "config.yaml", run_dir: Path | None = None) -> TrainConfig:
+    def from_dict(
+        cls, data: dict, where: str = "config.yaml", run_dir: Path | None = None, resolve: bool = True
+    ) -> TrainConfig:
+        """A config read from a file, checked as strictly as flags. `resolve=False` (a page that only shows it)
+        checks the types and looks up no workload, so that nothing the name points to is imported."""
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -149,5 +154,6 @@ class TrainConfig:
             raise GpuwiseError(f"{where} names no workload")
         cfg = cls(**data)
         cfg.check_types(where)
-        cfg.validate(check_paths=False, run_dir=run_dir)
+        if resolve:
+            cfg.validate(check_paths=False, run_dir=run_dir)
         return cfg
