@@ -19,14 +19,18 @@ from pathlib import Path
 
 import torch
 
+from gpuwise.errors import GpuwiseError
+from gpuwise.files import open_file, read_run_file
+
 MANIFEST = "manifest.json"
 STATE = "state.ckpt"
 
 
 def _sha256(path: Path) -> str:
     # No fallback loop: file_digest is Python 3.11, the floor pyproject.toml sets. It reads in blocks
-    # into one reused buffer, so a shard of many GB hashes in constant memory.
-    with path.open("rb") as f:
+    # into one reused buffer, so a shard of many GB hashes in constant memory. Never through a link (one to
+    # /proc/kcore is a "regular file" of 128 TB), never a FIFO: files.open_file says why in one line.
+    with open_file(path, "checkpoint file", "a file gpuwise train wrote", follow_symlinks=False) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
@@ -71,15 +75,22 @@ def save(fabric, ckpt_root: Path, step: int, state: dict, keep: int) -> Path:
 def verify(path: Path) -> str | None:
     """None when the checkpoint is whole, else why not."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())["sha256"]
-    except (OSError, ValueError, KeyError):
+        text = read_run_file(path / MANIFEST, "checkpoint manifest", "the manifest.json gpuwise train writes")
+        manifest = json.loads(text)["sha256"]
+        items = list(manifest.items())
+    except (GpuwiseError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return "no readable manifest"
-    for rel, digest in manifest.items():
+    for rel, digest in items:
+        if not isinstance(rel, str) or Path(rel).is_absolute() or ".." in Path(rel).parts:
+            return f"its manifest names a file outside it ({str(rel)[:80]})"
         f = path / rel
-        if not f.is_file():
+        if not os.path.lexists(f):
             return f"{rel} is missing"
-        if _sha256(f) != digest:
-            return f"{rel} fails its checksum"
+        try:
+            if _sha256(f) != digest:
+                return f"{rel} fails its checksum"
+        except GpuwiseError as e:
+            return str(e)
     return None
 
 

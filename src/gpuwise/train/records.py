@@ -18,21 +18,23 @@ from pathlib import Path
 import yaml
 
 from gpuwise.errors import GpuwiseError
-from gpuwise.files import read_text_file, to_json
+from gpuwise.files import (
+    MAX_METRICS_BYTES,
+    open_lock_file,
+    open_run_file_for_append,
+    parse_yaml,
+    read_run_file,
+    run_file_lines,
+    to_json,
+    write_atomic,
+)
 from gpuwise.train.config import TrainConfig
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
 
 LOCK = ".lock"
 SUMMARY = "summary.json"  # written last, atomically: its presence is what "finished" means
+METRICS = "metrics.jsonl"
+RUN_DIRS = ("checkpoints", "tensorboard", "parts")  # what a run writes into, beside the files below
+RUN_FILES = ("config.yaml", METRICS, SUMMARY)
 MAX_CONFIG_BYTES = 1 << 20  # a config.yaml is a few hundred bytes: a larger one is not ours
 
 
@@ -50,10 +52,7 @@ class RunClaim:
         self._fd: int | None = None
         import fcntl
 
-        try:
-            fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise _oserror(f"{path}: cannot write to the run directory", e) from None
+        fd = open_lock_file(path / LOCK, "the run's lock")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -111,6 +110,14 @@ class RunClaim:
             raise GpuwiseError(f"--resume {run_dir}: no such run directory")
         if not (run_dir / "config.yaml").is_file():
             raise GpuwiseError(f"--resume {run_dir}: not a gpuwise run directory (no config.yaml)")
+        # A run goes on writing into these, and prunes old step-* directories in checkpoints/: through a link
+        # that would be another directory's files. gpuwise never makes one, so one is refused, not followed.
+        for name in (*RUN_DIRS, *RUN_FILES):
+            if (run_dir / name).is_symlink():
+                raise GpuwiseError(
+                    f"--resume {run_dir}: its {name} is a symbolic link, which a run directory gpuwise writes "
+                    "never holds; nothing was written"
+                )
         claim = cls(run_dir, created=False, resumed=True)
         if is_finished(run_dir):
             claim.release()
@@ -126,8 +133,11 @@ class RunClaim:
         or empty before). A resumed run is the user's and is kept."""
         if self.resumed or any((self.path / "checkpoints").glob("step-*")) or (self.path / "parts").is_dir():
             return  # parts: runs trained for this one (Workload.parts), which its --resume reuses
-        metrics = self.path / "metrics.jsonl"
-        if metrics.exists() and any('"loss"' in line for line in metrics.read_text(errors="replace").splitlines()):
+        metrics = self.path / METRICS
+        try:
+            if metrics.exists() and any('"loss"' in line for line in _metric_lines(metrics)):
+                return
+        except GpuwiseError:  # not a file this run wrote: not its own, so nothing is removed
             return
         if self.created:
             shutil.rmtree(self.path, ignore_errors=True)
@@ -158,22 +168,20 @@ def _mkdir(path: Path, exist_ok: bool, flag: str) -> None:
         raise _oserror(f"{flag} {path}: cannot create the directory", e) from None
 
 
-def load_config(run_dir: Path) -> TrainConfig:
-    """A run's saved config, checked as strictly as the flags it came from (the file is untrusted input)."""
+def load_config(run_dir: Path, resolve: bool = True) -> TrainConfig:
+    """A run's saved config, checked as strictly as the flags it came from (the file is untrusted input);
+    `resolve=False`: its workload is not looked up (TrainConfig.from_dict)."""
     path = run_dir / "config.yaml"
     if not run_dir.is_dir():
         why = "a file" if run_dir.exists() else "no such directory"
         raise GpuwiseError(f"{run_dir} is not a gpuwise run directory ({why})")
     if not path.exists():
         raise GpuwiseError(f"{run_dir} is not a gpuwise run directory (no config.yaml)")
-    text = read_text_file(path, "run config", "the config.yaml gpuwise train writes", limit=MAX_CONFIG_BYTES)
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise GpuwiseError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+    text = read_run_file(path, "run config", "the config.yaml gpuwise train writes", limit=MAX_CONFIG_BYTES)
+    data = parse_yaml(text, str(path))
     if not isinstance(data, dict):
         raise GpuwiseError(f"{path} does not hold a config mapping")
-    return TrainConfig.from_dict(data, where=str(path), run_dir=run_dir)
+    return TrainConfig.from_dict(data, where=str(path), run_dir=run_dir, resolve=resolve)
 
 
 def is_running(run_dir: Path) -> bool:
@@ -181,8 +189,8 @@ def is_running(run_dir: Path) -> bool:
     import fcntl
 
     try:
-        fd = os.open(run_dir / LOCK, os.O_RDONLY)
-    except OSError:  # no lock file: never claimed by this gpuwise, or not readable
+        fd = open_lock_file(run_dir / LOCK, "the run's lock", create=False)
+    except GpuwiseError:  # no lock file (never claimed by this gpuwise), not readable, or not a file at all
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -218,6 +226,14 @@ def open_finished(run_dir: Path) -> TrainConfig:
     return cfg
 
 
+def _metric_lines(path: Path):
+    return run_file_lines(path, "run file", "the metrics.jsonl gpuwise train writes", MAX_METRICS_BYTES)
+
+
+def _append(path: Path):
+    return os.fdopen(open_run_file_for_append(path, "run file"), "a", encoding="utf-8")
+
+
 class Recorder:
     def __init__(self, run_dir: Path, enabled: bool):
         self.run_dir, self.enabled = run_dir, enabled
@@ -225,7 +241,7 @@ class Recorder:
         self._tb = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+            self._metrics = _append(run_dir / METRICS)
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
@@ -237,17 +253,17 @@ class Recorder:
             return
         assert self._metrics is not None and self._tb is not None  # both opened in __init__ when enabled
         self._metrics.close()
-        path = self.run_dir / "metrics.jsonl"
+        path = self.run_dir / METRICS
         kept = []
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        for line in _metric_lines(path):
             try:
                 row = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-                kept.append(line + "\n")
+                kept.append(line.rstrip("\n") + "\n")
         write_atomic(path, "".join(kept))
-        self._metrics = path.open("a", encoding="utf-8")
+        self._metrics = _append(path)
         from torch.utils.tensorboard import SummaryWriter
 
         self._tb.close()

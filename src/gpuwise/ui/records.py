@@ -47,11 +47,14 @@ def run_rows(runs_dir: Path) -> list[dict[str, Any]]:
             "metrics": _headline(data),
             "wall_s": data.get("wall_s"),
         })  # fmt: skip
-    for run_dir in sorted(_run_dirs(runs_dir), key=lambda p: p.stat().st_mtime, reverse=True):
+    for run_dir in sorted(_run_dirs(runs_dir), key=_mtime, reverse=True):
         if os.path.realpath(run_dir) in seen:
             continue
         status = _status(run_dir)
-        summary = _summary(run_dir) if status == "finished" else {}
+        try:
+            summary = _summary(run_dir) if status == "finished" else {}
+        except GpuwiseError:  # one damaged or planted run must not hide the others: its own page says why
+            summary = {}
         rows.append({
             "key": run_dir.name,
             "workload": summary.get("workload") or run_dir.name.split("-")[0],
@@ -65,6 +68,13 @@ def run_rows(runs_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed since it was listed
+        return 0.0
+
+
 def _run_dirs(runs_dir: Path) -> list[Path]:
     try:
         return [p for p in runs_dir.iterdir() if p.is_dir() and (p / "config.yaml").is_file()]
@@ -74,7 +84,7 @@ def _run_dirs(runs_dir: Path) -> list[Path]:
 
 def run_path(key: str, runs_dir: Path) -> Path:
     """The run directory a page key names: a record id, or a directory's name under `runs_dir`."""
-    if key.isdigit():
+    if key.isascii() and key.isdigit():  # '²'.isdigit() holds too, and int() refuses it: a 500 it was
         from gpuwise.runs import db
 
         row = db.get(int(key))
@@ -105,18 +115,38 @@ def _curves(rows: list[dict[str, Any]]) -> dict[str, list[list[float]]]:
 
 
 def _summary(run_dir: Path) -> dict[str, Any]:
-    from gpuwise.files import read_text_file
+    from gpuwise.files import read_run_file
     from gpuwise.report.html import parse_object
     from gpuwise.train.records import SUMMARY
 
-    text = read_text_file(run_dir / SUMMARY, "run file", "the summary.json gpuwise train writes")
+    text = read_run_file(run_dir / SUMMARY, "run file", "the summary.json gpuwise train writes")
     return parse_object(str(run_dir / SUMMARY), text)
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl as far as it is written (none yet: no rows), for a run that may still be training: read
+    a block at a time, never through a link, and never a FIFO or device (files.run_file_lines)."""
+    from gpuwise.files import MAX_METRICS_BYTES, run_file_lines
+    from gpuwise.report.html import parse_object
+    from gpuwise.train.records import METRICS
+
+    path = run_dir / METRICS
+    if not os.path.lexists(path):
+        return []
+    rows = []
+    lines = run_file_lines(path, "run file", "the metrics.jsonl gpuwise train writes", MAX_METRICS_BYTES)
+    for n, line in enumerate(lines, 1):
+        if not line.endswith("\n"):  # the last line of a run still writing it may be cut
+            break
+        if line.strip():
+            rows.append(parse_object(f"{path}:{n}", line))
+    return rows
 
 
 def run_detail(key: str, runs_dir: Path) -> dict[str, Any]:
     """A run's page: status, config, curves from metrics.jsonl (as far as it is written), and for a finished
-    run its summary (held-out metrics, baselines, planned beside actual)."""
-    from gpuwise.report.html import read_metrics
+    run its summary (held-out metrics, baselines, planned beside actual). The config is shown, not acted on:
+    its workload is not looked up, so a package.module:Class it names is not imported."""
     from gpuwise.train.records import load_config
 
     path = run_path(key, runs_dir)
@@ -125,8 +155,8 @@ def run_detail(key: str, runs_dir: Path) -> dict[str, Any]:
         "key": key,
         "run_dir": str(path),
         "status": status,
-        "config": load_config(path).as_dict(),
-        "curves": _curves(read_metrics(path)),
+        "config": load_config(path, resolve=False).as_dict(),
+        "curves": _curves(_metrics(path)),
         "summary": _summary(path) if status == "finished" else None,
     }
 
