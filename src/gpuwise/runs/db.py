@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import sqlite3
 import stat
 import time
-from collections.abc import Mapping
-from contextlib import closing
+from collections.abc import Iterator, Mapping
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,31 @@ def _refuse_odd(path: Path) -> None:
         raise GpuwiseError(f"cannot open the run record {path}: not a regular file (a device, FIFO or socket)")
 
 
+def _failed(path: Path, e: sqlite3.Error) -> GpuwiseError:
+    """One line for a record SQLite cannot read. A damaged page may show only when a query reaches it, long
+    after the open succeeded, so every query goes through `_querying`; a damaged file gets the way back."""
+    code = getattr(e, "sqlite_errorname", "") or ""
+    if code.startswith("SQLITE_CORRUPT") or "malformed" in str(e):
+        quoted = shlex.quote(str(path))
+        fixed = shlex.quote(str(path.with_name(f"{path.stem}-recovered{path.suffix or '.sqlite'}")))
+        return GpuwiseError(
+            f"the run record {path} is damaged ({e}): recover what it still holds with "
+            f'`sqlite3 {quoted} ".recover" | sqlite3 {fixed}`, then use that file (--db {fixed}, or move it in '
+            "place of the damaged one); see https://sqlite.org/recovery.html"
+        )
+    if code == "SQLITE_NOTADB" or "not a database" in str(e):
+        return GpuwiseError(f"cannot open the run record {path}: {e} (not an SQLite file); pass another --db")
+    return GpuwiseError(f"cannot read the run record {path}: {e}")
+
+
+@contextmanager
+def _querying(path: Path | None) -> Iterator[None]:
+    try:
+        yield
+    except sqlite3.DatabaseError as e:  # OperationalError too: locked past the timeout, an I/O error
+        raise _failed(Path(path) if path else default_path(), e) from None
+
+
 def _check_schema(con: sqlite3.Connection, path: Path) -> None:
     """Another program's SQLite file would pass the CREATE IF NOT EXISTS and fail every query later."""
     for table, wanted in (("records", {"id", "kind", "data"}), ("calibration", {"device", "key", "fraction"})):
@@ -96,7 +122,9 @@ def connect(path: Path | None = None) -> sqlite3.Connection:
             if "locked" not in str(e) and "busy" not in str(e):
                 raise GpuwiseError(f"cannot open the run record {path}: {e}") from None
             time.sleep(min(0.5, 0.02 * (attempt + 1)))
-        except (OSError, sqlite3.DatabaseError) as e:
+        except sqlite3.DatabaseError as e:
+            raise _failed(path, e) from None
+        except OSError as e:
             raise GpuwiseError(f"cannot open the run record {path}: {e}") from None
     raise GpuwiseError(f"cannot open the run record {path}: still locked after retries")
 
@@ -110,7 +138,7 @@ def record(
 ) -> int:
     if isinstance(data, Result):
         data = data.dump()
-    with closing(connect(path)) as con, con:
+    with _querying(path), closing(connect(path)) as con, con:
         cur = con.execute(
             "INSERT INTO records (kind, created, device, name, run_dir, data) VALUES (?, ?, ?, ?, ?, ?)",
             (kind, now(), device, name, run_dir, to_json(data)),
@@ -120,7 +148,7 @@ def record(
 
 
 def calibrate(device: str, fractions: Mapping[str, float | None], record_id: int, path: Path | None = None) -> None:
-    with closing(connect(path)) as con, con:
+    with _querying(path), closing(connect(path)) as con, con:
         con.executemany(
             "INSERT OR REPLACE INTO calibration (device, key, fraction, record_id, updated) VALUES (?, ?, ?, ?, ?)",
             [(device, key, value, record_id, now()) for key, value in fractions.items() if _usable(value)],
@@ -147,7 +175,7 @@ def calibration(device: str, key: str, path: Path | None = None) -> tuple[float,
     target = Path(path) if path else default_path()
     if not target.exists():
         return None
-    with closing(connect(target)) as con:
+    with _querying(target), closing(connect(target)) as con:
         row = con.execute(
             "SELECT fraction, record_id, updated FROM calibration WHERE device = ? AND key = ?", (device, key)
         ).fetchone()
@@ -157,7 +185,7 @@ def calibration(device: str, key: str, path: Path | None = None) -> tuple[float,
 
 
 def rows(kind: str | None = None, path: Path | None = None) -> list[dict]:
-    with closing(connect(path)) as con:
+    with _querying(path), closing(connect(path)) as con:
         query = "SELECT id, kind, created, device, name, run_dir, data FROM records"
         args: tuple = ()
         if kind:
@@ -225,7 +253,7 @@ def calibration_map(path: Path | None = None) -> dict[tuple[str, str], tuple[flo
     target = Path(path) if path else default_path()
     if not target.exists():
         return {}
-    with closing(connect(target)) as con:
+    with _querying(target), closing(connect(target)) as con:
         found = con.execute("SELECT device, key, fraction, record_id, updated FROM calibration").fetchall()
     return {
         (device.split(":", 1)[1], key): (
