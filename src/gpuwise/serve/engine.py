@@ -16,8 +16,11 @@ device: while others decode, a chunk takes about `chunk_ratio` times the recent 
 stream's time per token about 2.5x while a long prompt prefills); with nobody decoding, about `solo_chunk_s`
 (a newcomer's wait, and the granularity of the request timeout). Cost is counted in token-equivalents of the
 linear layers, `tokens x (1 + context / crossover)`, where the crossover is the context at which a token's
-attention costs as much as its matmuls (per layer: its weights / (2 x heads x head dim)); a pass's time is
-fitted to its cost over the recent prefill passes (`pass_time`).
+attention costs as much as its matmuls (per layer: its weights / (2 x heads x head dim)). Each pass's cost is
+steered from the last one's measured time toward the target (at most 2x up or down a pass), not predicted
+from a model of the device: a pass has a part that does not shrink with it (a small model's 30 layers of
+dispatch took about as long as a decode step on 2 CPU cores), and a CPU's attention ran at a tenth of its
+matmuls' FLOP rate, neither of which FLOP counts see.
 
 Why not transformers' own continuous batching (`generate_batch`, `transformers serve
 --continuous-batching`): `benchmarks/llm_serve_load.py` (SmolLM2-135M, 32 concurrent streams) measured this
@@ -251,9 +254,10 @@ class Engine:
     hold the top rows, `prefilling[k]` row slots-1-k, so that neither group's changes move the other's keys.
     A prompt that finishes prefilling is copied down to row d once (a short prompt: a few KB)."""
 
-    # A prefill pass runs at least MIN_CHUNK tokens a row (a long prompt always moves, however busy the
-    # engine), and costs at most MAX_CHUNK token-equivalents (a bound on one pass's activations); until two
-    # passes of different sizes have been timed, a pass costs at most PROBE_CHUNK.
+    # A prefill pass runs at least MIN_CHUNK tokens a row: a pass reads every weight once, as a decode step
+    # does, so a smaller one costs nearly as much (on 2 CPU cores, SmolLM2: 16 tokens 46 ms, 64 tokens 62 ms,
+    # a decode step of 8 rows 57 ms; a 6k-token prompt among 8 streams took 36 s at 32, 61-76 s at 16). At
+    # most MAX_CHUNK token-equivalents (a bound on one pass's activations); the first pass PROBE_CHUNK.
     MIN_CHUNK, MAX_CHUNK, PROBE_CHUNK = 32, 8192, 512
 
     def __init__(
@@ -289,7 +293,7 @@ class Engine:
         self.chunk_ratio, self.solo_chunk_s = chunk_ratio, solo_chunk_s
         self.crossover = attention_crossover(model.config)
         self.decode_s: float | None = None  # a decode step's time, smoothed
-        self.passes: deque[tuple[float, float]] = deque(maxlen=32)  # recent prefill passes: (cost, seconds)
+        self.last_pass: tuple[float, float] | None = None  # the latest prefill pass: (cost, seconds)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefilling: list[Sequence] = []
@@ -419,12 +423,11 @@ class Engine:
 
     def _chunk_budget(self) -> float:
         """Token-equivalents the next prefill pass may cost (see the module's docstring)."""
-        fit = pass_time(self.passes)
-        if fit is None:
+        if self.last_pass is None:
             return self.PROBE_CHUNK
-        fixed, per_unit = fit
+        cost, seconds = self.last_pass
         target = self.chunk_ratio * self.decode_s if self.running and self.decode_s else self.solo_chunk_s
-        return min(self.MAX_CHUNK, max(0.0, target - fixed) / per_unit)
+        return min(self.MAX_CHUNK, cost * min(2.0, max(0.5, target / max(seconds, 1e-6))))
 
     def _width(self, budget: float) -> tuple[int, float]:
         """The most prompt tokens each prefilling row may run this pass (every row is padded to it), and
@@ -466,7 +469,7 @@ class Engine:
         mask = torch.arange(length).view(1, 1, 1, length) <= pos.unsqueeze(1).unsqueeze(-1)
         t0 = time.perf_counter()
         logits = self._forward(ids, pos, mask, first, [s.adapter for s in seqs])
-        self.passes.append((cost, time.perf_counter() - t0))
+        self.last_pass = (cost, time.perf_counter() - t0)
         ready, ready_logits = [], []
         for i, (s, n) in enumerate(zip(seqs, runs, strict=True)):
             s.done += n
@@ -593,23 +596,6 @@ class Engine:
         if error is not None:
             event["error"] = repr(error)
         s.sink(event)
-
-
-def pass_time(passes) -> tuple[float, float] | None:
-    """(fixed seconds, seconds per token-equivalent) of a prefill pass, fitted by least squares to recent
-    passes: a pass has a cost that does not shrink with it (a small model's 30 layers of kernel launches and
-    dispatch took about as long as a decode step on 2 CPU cores), so time per token-equivalent alone would
-    make small chunks look dear and the next ones smaller still. None until two passes differ in size."""
-    if len({c for c, _ in passes}) < 2:
-        return None
-    n = len(passes)
-    mean_c, mean_t = sum(c for c, _ in passes) / n, sum(t for _, t in passes) / n
-    spread = sum((c - mean_c) ** 2 for c, _ in passes)
-    slope = sum((c - mean_c) * (t - mean_t) for c, t in passes) / spread
-    if slope <= 0:  # noise larger than the sizes' effect: all of it per token-equivalent
-        return 0.0, mean_t / mean_c
-    fixed = min(max(0.0, mean_t - slope * mean_c), min(t for _, t in passes))
-    return fixed, slope
 
 
 def attention_crossover(config) -> float:
