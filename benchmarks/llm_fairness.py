@@ -4,10 +4,11 @@ a short chat.
 
 Run: .venv/bin/python benchmarks/llm_fairness.py [--baseline REF] [--streams 8] [--dtype bf16]
 
-Printed per server: the streams' time per output token (the gap between two tokens of one answer) p50 and
-p99 over a quiet window before the long prompt, and over the long prompt's prefill (from its submission to
-its first token); their ratio; the short chat's time to first token and to its end; the long request's
-status, time to first token and to its end. `--baseline REF` also runs gpuwise as of that git commit (a
+Printed per server, over a quiet window before the long prompt and over the long prompt's prefill (from its
+submission to its first token): the streams' time per output token (each answer's mean gap between two of
+its tokens in the window, as vLLM's benchmarks define TPOT) p50 and p99, and the inter-token latency (every
+gap) p99, with the ratios; the short chat's time to first token and to its end; the long request's status,
+time to first token and to its end. `--baseline REF` also runs gpuwise as of that git commit (a
 worktree, this venv), one server after the other (each holds a KV cache of up to 8,192 tokens a slot).
 
 The long prompt is 3,000 combining marks (U+0300-U+036F, two tokens each in SmolLM2's tokenizer), as in
@@ -89,22 +90,33 @@ async def scenario(url: str, model: str, streams: int, quiet_s: float) -> dict:
         await asyncio.gather(*runners)
     first = long_answer["times"][0] if long_answer["times"] else long_answer["end"]
 
-    def gaps(lo: float, hi: float, within: bool) -> np.ndarray:
-        """Gaps between two pieces of one answer: those within [lo, hi), or those that overlap it (a stream
-        that got nothing during the prefill has one gap that spans it)."""
-        out = [
-            b - a
+    def gaps(lo: float, hi: float, within: bool) -> list[list[float]]:
+        """Each answer's gaps between two of its pieces: those within [lo, hi), or those that overlap it (a
+        stream that got nothing during the prefill has one gap that spans it)."""
+        return [
+            [
+                b - a
+                for a, b in zip(r["times"], r["times"][1:], strict=False)
+                if (lo <= a and b < hi if within else a < hi and b > lo)
+            ]
             for r in answers
-            for a, b in zip(r["times"], r["times"][1:], strict=False)
-            if (lo <= a and b < hi if within else a < hi and b > lo)
         ]
-        return np.array(out) if out else np.array([np.nan])
+
+    def itl(per_answer: list[list[float]]) -> np.ndarray:
+        """Every gap: the inter-token latency, whose p99 is the worst a reader sees."""
+        return np.percentile([g for gs in per_answer for g in gs] or [np.nan], [50, 99])
+
+    def tpot(per_answer: list[list[float]]) -> np.ndarray:
+        """Each answer's mean gap within the window: vLLM's time per output token, per request."""
+        return np.percentile([sum(gs) / len(gs) for gs in per_answer if gs] or [np.nan], [50, 99])
 
     quiet = gaps(quiet_from, quiet_from + quiet_s, within=True)
     during = gaps(long_answer["sent"], first, within=False)
     return {
-        "tpot_quiet": np.nanpercentile(quiet, [50, 99]),
-        "tpot_during": np.nanpercentile(during, [50, 99]),
+        "itl_quiet": itl(quiet),
+        "itl_during": itl(during),
+        "tpot_quiet": tpot(quiet),
+        "tpot_during": tpot(during),
         "short_ttft": (short["times"][0] if short["times"] else short["end"]) - short["sent"],
         "short_e2e": short["end"] - short["sent"],
         "short_status": short["status"],
@@ -145,16 +157,19 @@ def main() -> None:
             proc.wait(30)
     print(
         f"SmolLM2-135M-Instruct, {dtype}, {args.streams} streams (max_tokens 128) + one prompt of "
-        f"{2 * LONG_MARKS:,} tokens, then a 4-token chat 2 s later; timeout 120 s"
+        f"{2 * LONG_MARKS:,} tokens, then a 4-token chat 2 s later; timeout 120 s; quiet: the {args.quiet_s:g} s "
+        "before the long prompt, prefill: from its submission to its first token"
     )
     print(
-        f"{'server':<22}{'TPOT p50/p99 quiet':>20}{'during prefill':>18}{'p99 x':>7}{'short TTFT':>12}"
-        f"{'short end':>11}{'long TTFT':>11}{'long end':>10}{'long':>6}{'failed':>8}"
+        f"{'server':<18}{'TPOT p50/p99 quiet':>20}{'prefill':>15}{'x':>5}{'ITL p99 quiet':>15}{'prefill':>9}"
+        f"{'x':>6}{'short TTFT':>12}{'short end':>11}{'long TTFT':>11}{'long end':>10}{'long':>6}{'failed':>8}"
     )
     for name, r in rows:
         q, d = r["tpot_quiet"] * 1000, r["tpot_during"] * 1000
+        iq, id_ = r["itl_quiet"][1] * 1000, r["itl_during"][1] * 1000
         print(
-            f"{name:<22}{q[0]:>9.0f} /{q[1]:>6.0f} ms{d[0]:>8.0f} /{d[1]:>6.0f} ms{d[1] / q[1]:>7.1f}"
+            f"{name:<18}{q[0]:>9.0f} /{q[1]:>6.0f} ms{d[0]:>6.0f} /{d[1]:>6.0f}{d[1] / q[1]:>5.1f}"
+            f"{iq:>12.0f} ms{id_:>9.0f}{id_ / iq:>6.1f}"
             f"{r['short_ttft']:>11.2f}s{r['short_e2e']:>10.2f}s{r['long_ttft']:>10.1f}s{r['long_e2e']:>9.1f}s"
             f"{r['long_status']:>6}{r['failed']:>8}"
         )
@@ -162,7 +177,8 @@ def main() -> None:
     ratio = ours["tpot_during"][1] / ours["tpot_quiet"][1]
     print(
         f"gpuwise: TPOT p99 during the long prefill / quiet = {ratio:.2f} (goal <= 3); "
-        f"short TTFT {ours['short_ttft']:.2f} s (goal < 2 s)"
+        f"ITL p99 {ours['itl_during'][1] / ours['itl_quiet'][1]:.2f}; short TTFT {ours['short_ttft']:.2f} s "
+        "(goal < 2 s)"
     )
 
 

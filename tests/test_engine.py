@@ -282,7 +282,7 @@ def chunked(model, tok, units: int, **kw) -> Engine:
     """An engine whose prefill passes cost at most `units` token-equivalents: long prompts run in many chunks."""
     e = engine(model, tok, **kw)
     e.MAX_CHUNK = e.PROBE_CHUNK = units
-    e.MIN_CHUNK = 1
+    e.MIN_CHUNK = e.MIN_CHUNK_WITH_DECODE = 1
     return e
 
 
@@ -312,6 +312,10 @@ def test_chunked_prefill_answers_as_one_pass_whatever_the_order_rows_and_cancell
     e = chunked(model, tok, 5, max_seqs=3, decoder=FusedDecoder(model, pack=None) if fused else None)
     seen, swaps, swap = widths(e), [], e.cache.swap
     e.cache.swap = lambda *a: swaps.append(a) or swap(*a)
+    both = []  # passes that ran a decode step and a chunk together (the fused decoder's run)
+    if fused:
+        run = e.decoder.run
+        e.decoder.run = lambda parts, cache: both.append([p.ids.shape for p in parts]) or run(parts, cache)
     try:
         with e.cv:  # three start together in every row; the short one, in the top row, finishes first: a swap
             first = [submit(e, tok, q, max_tokens=8) for q in prompts[:3]]
@@ -326,8 +330,8 @@ def test_chunked_prefill_answers_as_one_pass_whatever_the_order_rows_and_cancell
     finally:
         e.close()
     assert [s.out for s, _ in first + rest] == expected
-    assert max(seen) <= 5 and seen.count(1) > 0  # chunks of at most 5 tokens, decode steps between
-    assert swaps
+    assert max(seen + [w for parts in both for _, w in parts]) <= 5  # chunks of at most 5 tokens
+    assert swaps and (both if fused else seen.count(1))  # decode steps between the chunks, or with them
     assert not e.running and not e.prefilling
 
 

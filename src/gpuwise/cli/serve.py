@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from gpuwise.cli.options import console
+from gpuwise.cli.options import WorkloadOpt, console
 from gpuwise.errors import GpuwiseError
 
 
@@ -123,6 +123,7 @@ def serve(
             help="Language models: auto (bf16 where the GPU or CPU computes it, else fp32), fp32, bf16, fp16."
         ),
     ] = "auto",
+    confirmed: WorkloadOpt = None,
     cors_origin: Annotated[
         list[str] | None,
         typer.Option(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -105,13 +104,9 @@ def _figure(png: bytes, alt: str) -> dict[str, Any]:
     return {"png": png, "alt": alt}
 
 
-# A long run logs a line per step: a million steps is ~200 MB. Past this, the file is not a metrics log.
-MAX_METRICS_BYTES = 512 * 2**20
-
-
 def _read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """summary.json and metrics.jsonl of a finished run, or one line saying which is missing or damaged."""
-    from gpuwise.files import MAX_FILE_BYTES, read_text_file
+    from gpuwise.files import MAX_FILE_BYTES, MAX_METRICS_BYTES, read_run_file
 
     texts = {}
     for name, limit in (("summary.json", MAX_FILE_BYTES), ("metrics.jsonl", MAX_METRICS_BYTES)):
@@ -121,28 +116,15 @@ def _read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             raise GpuwiseError(f"{run_dir}: {e.strerror}") from None
         if not found:
             raise GpuwiseError(f"{run_dir}: not a finished gpuwise run ({name} is missing)")
-        texts[name] = read_text_file(run_dir / name, "run file", f"the {name} gpuwise train writes", limit)
+        texts[name] = read_run_file(run_dir / name, "run file", f"the {name} gpuwise train writes", limit)
     summary = parse_object(str(run_dir / "summary.json"), texts["summary.json"])
     return summary, _metric_rows(run_dir, texts["metrics.jsonl"])
 
 
-def _metric_rows(run_dir: Path, text: str, partial: bool = False) -> list[dict[str, Any]]:
-    """metrics.jsonl's lines as objects; `partial`: a run still writing it, whose last line may be cut."""
+def _metric_rows(run_dir: Path, text: str) -> list[dict[str, Any]]:
+    """metrics.jsonl's lines as objects."""
     lines = text.splitlines()
-    if partial and lines and not text.endswith("\n"):
-        lines = lines[:-1]
     return [parse_object(f"{run_dir / 'metrics.jsonl'}:{n}", line) for n, line in enumerate(lines, 1) if line.strip()]
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl as far as it is written (none yet: no rows), for a run that may still be training."""
-    from gpuwise.files import read_text_file
-
-    path = run_dir / "metrics.jsonl"
-    if not os.path.isfile(path):
-        return []
-    text = read_text_file(path, "run file", "the metrics.jsonl gpuwise train writes", MAX_METRICS_BYTES)
-    return _metric_rows(run_dir, text, partial=True)
 
 
 def parse_object(where: str, text: str) -> dict[str, Any]:

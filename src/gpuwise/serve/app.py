@@ -215,10 +215,10 @@ def _trained(run_dir: str) -> TrainSummary | None:
     import json
     from pathlib import Path
 
-    from gpuwise.files import read_text_file
+    from gpuwise.files import read_run_file
 
     try:
-        return TrainSummary.load(json.loads(read_text_file(Path(run_dir) / "summary.json", "run summary", "JSON")))
+        return TrainSummary.load(json.loads(read_run_file(Path(run_dir) / "summary.json", "run summary", "JSON")))
     except (GpuwiseError, ValueError):  # pydantic's ValidationError is a ValueError
         return None
 

@@ -18,6 +18,7 @@ one that disagrees, is served by transformers' forward."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -203,6 +204,23 @@ def _rms(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+@dataclass
+class Part:
+    """One group of rows in a forward pass: ids and positions [n, q], the additive mask [n, 1, q, length], the
+    first of its n cache rows, how far its rows attend, and each row's LoRA adapter (None: the base)."""
+
+    ids: torch.Tensor
+    pos: torch.Tensor
+    bias: torch.Tensor
+    first: int
+    length: int
+    adapters: list[str | None]
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
 class FusedDecoder:
     """The forward pass of a Llama-family model over the engine's `SlotCache`: logits of each row's last column."""
 
@@ -306,60 +324,90 @@ class FusedDecoder:
         """ids, pos: [n, q]; bias: [n, 1, q, length] additive, and at q == 1 causal (row i sees stored positions
         0 .. pos[i], as the engine builds it: the decode kernel takes pos + 1 as each row's length instead);
         `cache` bound to these rows and positions; `adapters`: each row's LoRA adapter (None: the base)."""
-        n, q = ids.shape
-        groups = self._groups(adapters, n)
+        n = ids.shape[0]
+        return self.run([Part(ids, pos, bias, cache.rows.start, cache.length, adapters or [None] * n)], cache)[0]
+
+    def run(self, parts: list[Part], cache) -> list[torch.Tensor]:
+        """One forward pass over several groups of rows, each with its own width, positions and mask (the
+        decode step's rows, one token each, and the rows of prompts being prefilled, a chunk each): their tokens
+        go through every matmul together, so the weights are read once for all (a pass at a few tokens is bound
+        by that read: it cost a 16-token chunk 34 of its 62 ms on 2 CPU cores), and each group attends over
+        its own rows of `cache`. The logits of each row's last column, [rows, vocab] in fp32, per group."""
         H, K, D = self.heads, self.kv_heads, self.head_dim
-        x = F.embedding(ids, self.embed)
-        cos, sin = self.rotary(x, pos)  # [n, q, D], in x's dtype
+        sizes = [part.ids.numel() for part in parts]
+        x = _cat([F.embedding(part.ids.reshape(-1, 1), self.embed) for part in parts])  # [tokens, 1, hidden]
+        cos, sin = self.rotary(x, _cat([part.pos.reshape(-1, 1) for part in parts]))  # [tokens, 1, D]
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-        rows, length, index, at = cache.rows, cache.length, cache.index, cache.pos
-        fold = q == 1 and H != K  # one query: its H heads become H/K queries of each key/value head
-        kernel = self.attention if q == 1 else None
-        if kernel is not None:
-            lens = pos[:, 0] + 1
-            if int(lens.max()) > length:  # once a step: the kernel reads as far as it is told
-                raise ValueError(f"a row attends to {int(lens.max())} positions, the cache is bound to {length}")
+        groups = self._groups([a for part in parts for a in part.adapters for _ in range(part.ids.shape[1])], len(x))
+        kernel = self.attention
+        for part in parts:
+            if part.ids.shape[1] == 1 and kernel is not None and int(part.pos.max()) + 1 > part.length:
+                # once a step: the kernel reads as far as it is told
+                raise ValueError(
+                    f"a row attends to {int(part.pos.max()) + 1} positions, the cache is bound to {part.length}"
+                )
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(_rms(x, layer.norm1), groups).view(n, q, H + 2 * K, D)
-            qk = qkv[:, :, : H + K]
+            qkv = layer.qkv(_rms(x, layer.norm1), groups).view(len(x), H + 2 * K, D)
+            qk = qkv[:, : H + K]
             half = D // 2
             rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos + rotated * sin
-            k_cache, v_cache = cache.keys[i], cache.values[i]
-            k_cache[index, at] = qk[:, :, H:]
-            v_cache[index, at] = qkv[:, :, H + K :]
-            keys, values = k_cache[rows, :length], v_cache[rows, :length]  # [n, length, K, D]
-            out = None
-            if kernel is not None:
-                try:
-                    out = kernel(qk[:, 0, :H], keys, values, lens).view(n, 1, H * D)
-                except (ValueError, RuntimeError) as e:  # the kernel refused this call: SDPA from here on
-                    self._drop_kernel(e)
-                    kernel = None
-            if out is not None:  # the kernel's
-                pass
-            elif fold:
-                query = qk[:, 0, :H].reshape(n, K, H // K, D)
-                out = F.scaled_dot_product_attention(
-                    query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=bias
+            qk = qk * cos[:, 0] + rotated * sin[:, 0]
+            outs, start = [], 0
+            for part, size in zip(parts, sizes, strict=True):
+                n, q = part.ids.shape
+                out, kernel = self._attend(
+                    i,
+                    part,
+                    qk[start : start + size].view(n, q, H + K, D),
+                    qkv[start : start + size, H + K :].view(n, q, K, D),
+                    cache,
+                    kernel,
                 )
-                out = out.reshape(n, 1, H * D)
-            elif H != K:
-                # A prompt's chunk: the G = H/K heads that share a key/value head become G x q queries of it, the
-                # mask repeated G times, rather than SDPA's enable_gqa, which expands the keys and values G times
-                # (a 32-token chunk at a 6,000-token context: 15-30 % less time in attention on a 2-core CPU)
-                G = H // K
-                query = qk[:, :, :H].reshape(n, q, K, G, D).permute(0, 2, 3, 1, 4).reshape(n, K, G * q, D)
-                mask = bias.unsqueeze(2).expand(n, 1, G, q, length).reshape(n, 1, G * q, length)
-                keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-                out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
-                out = out.view(n, K, G, q, D).permute(0, 3, 1, 2, 4).reshape(n, q, H * D)
-            else:
-                query = qk[:, :, :H].transpose(1, 2)
-                keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-                out = F.scaled_dot_product_attention(query, keys, values, attn_mask=bias)
-                out = out.transpose(1, 2).reshape(n, q, H * D)
-            x = x + layer.o(out, groups)
+                outs.append(out.reshape(size, 1, H * D))
+                start += size
+            x = x + layer.o(_cat(outs), groups)
             gate, up = layer.gate_up(_rms(x, layer.norm2), groups).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up, groups)
-        return self.head(_rms(x[:, -1], self.norm)).float()
+        last, start = [], 0
+        for part, size in zip(parts, sizes, strict=True):
+            n, q = part.ids.shape
+            last.append(torch.arange(start + q - 1, start + size, q))
+            start += size
+        logits = self.head(_rms(x[torch.cat(last), 0], self.norm)).float()
+        return list(logits.split([part.ids.shape[0] for part in parts]))
+
+    def _attend(self, i: int, part: Part, qk: torch.Tensor, v: torch.Tensor, cache, kernel):
+        """Layer i's attention for one group of rows: its keys and values stored, then read back for its rows.
+        qk: [n, q, H + K, D] (rotated); v: [n, q, K, D]. The output [n, q, H * D], and the kernel still in use."""
+        H, K, D = self.heads, self.kv_heads, self.head_dim
+        n, q = part.ids.shape
+        rows, length = slice(part.first, part.first + n), part.length
+        index = torch.arange(part.first, part.first + n, device=qk.device).unsqueeze(1)
+        k_cache, v_cache = cache.keys[i], cache.values[i]
+        k_cache[index, part.pos] = qk[:, :, H:]
+        v_cache[index, part.pos] = v
+        keys, values = k_cache[rows, :length], v_cache[rows, :length]  # [n, length, K, D]
+        if q == 1 and kernel is not None:
+            try:
+                return kernel(qk[:, 0, :H], keys, values, part.pos[:, 0] + 1).view(n, 1, H * D), kernel
+            except (ValueError, RuntimeError) as e:  # the kernel refused this call: SDPA from here on
+                self._drop_kernel(e)
+                kernel = None
+        if q == 1 and H != K:  # one query: its H heads become H/K queries of each key/value head
+            query = qk[:, 0, :H].reshape(n, K, H // K, D)
+            out = F.scaled_dot_product_attention(
+                query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=part.bias
+            )
+            return out.reshape(n, 1, H * D), kernel
+        if H != K:
+            # A prompt's chunk: the G = H/K heads that share a key/value head become G x q queries of it, the
+            # mask repeated G times, rather than SDPA's enable_gqa, which expands the keys and values G times
+            # (a 32-token chunk at a 6,000-token context: 15-30 % less time in attention on a 2-core CPU)
+            G = H // K
+            query = qk[:, :, :H].reshape(n, q, K, G, D).permute(0, 2, 3, 1, 4).reshape(n, K, G * q, D)
+            mask = part.bias.unsqueeze(2).expand(n, 1, G, q, length).reshape(n, 1, G * q, length)
+            out = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask)
+            return out.view(n, K, G, q, D).permute(0, 3, 1, 2, 4).reshape(n, q, H * D), kernel
+        query = qk[:, :, :H].transpose(1, 2)
+        out = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=part.bias)
+        return out.transpose(1, 2).reshape(n, q, H * D), kernel

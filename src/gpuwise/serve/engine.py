@@ -3,16 +3,17 @@
 One engine thread owns the model. Each turn of its loop it
 1. drops the sequences whose client left or whose time is up (their slot is free at once),
 2. admits waiting requests while slots and the KV budget allow: they start prefilling,
-3. runs one decode step for every sequence whose prompt is in the cache: one token each, in one forward pass,
-4. runs the next chunk of every prompt still prefilling, in one forward pass (left-padded, so each row's last
-   token is the last column), its size held to about one decode step's time while others decode (below),
+3. runs one decode step for every sequence whose prompt is in the cache (one token each) and the next chunk
+   of every prompt still prefilling (left-padded, so each row's last token is the last column), in one
+   forward pass where the decoder takes both (serve/decoder.py: its weights read once), else in two; the
+   chunk's size held to what 1.5 decode steps take while others decode (below),
 5. samples, detokenizes, checks end-of-text, stop strings and max_tokens, and hands each client its
    new text (thread-safe: the client's callback puts it on its event loop's queue).
 
 Chunked prefill (Sarathi-Serve, Agrawal et al. OSDI 2024; vLLM's chunked prefill): a long prompt's forward
 would otherwise hold every running stream for its whole length (a 6k-token prompt held 32 streams for tens
 of seconds). Its chunks are sized by measured time, not a fixed token count, so the same rule holds on any
-device: while others decode, a chunk takes about `chunk_ratio` times the recent decode steps' time (1.5: a
+device: while others decode, a chunk adds about `chunk_ratio` times the recent decode steps' time (1.5: a
 stream's time per token about 2.5x while a long prompt prefills); with nobody decoding, about `solo_chunk_s`
 (a newcomer's wait, and the granularity of the request timeout). Cost is counted in token-equivalents of the
 linear layers, `tokens x (1 + context / crossover)`, where the crossover is the context at which a token's
@@ -72,6 +73,21 @@ class Params:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+
+
+@dataclass
+class Rows:
+    """A group of rows for one forward pass: whose they are (in row order), ids and positions [n, q], the
+    boolean mask [n, 1, q, length], the first row, the prompt tokens each row runs (a chunk), and the chunk's
+    cost in token-equivalents."""
+
+    seqs: list
+    ids: torch.Tensor
+    pos: torch.Tensor
+    mask: torch.Tensor
+    first: int
+    runs: list[int]
+    cost: float
 
 
 Sink = Callable[[dict], None]  # called from the engine thread with {"text": ...} or {"finish": ...}
@@ -254,11 +270,13 @@ class Engine:
     hold the top rows, `prefilling[k]` row slots-1-k, so that neither group's changes move the other's keys.
     A prompt that finishes prefilling is copied down to row d once (a short prompt: a few KB)."""
 
-    # A prefill pass runs at least MIN_CHUNK tokens a row: a pass reads every weight once, as a decode step
-    # does, so a smaller one costs nearly as much (on 2 CPU cores, SmolLM2: 16 tokens 46 ms, 64 tokens 62 ms,
-    # a decode step of 8 rows 57 ms; a 6k-token prompt among 8 streams took 36 s at 32, 61-76 s at 16). At
-    # most MAX_CHUNK token-equivalents (a bound on one pass's activations); the first pass PROBE_CHUNK.
-    MIN_CHUNK, MAX_CHUNK, PROBE_CHUNK = 32, 8192, 512
+    # A prefill chunk runs at least MIN_CHUNK tokens a row, so that a long prompt moves however busy the
+    # engine. A pass of its own reads every weight once, as a decode step does, so a small one costs nearly as
+    # much (2 CPU cores, SmolLM2: 16 tokens 46 ms, 64 tokens 62 ms, a decode step of 8 rows 57 ms): 32 there
+    # (a 6k-token prompt among 8 streams took 36 s at 32, 61-76 s at 16). Run with a decode step (a decoder
+    # with `run`), a chunk adds mostly its attention, which at a 6,000-token context is most of it: 16 there.
+    # At most MAX_CHUNK token-equivalents (a bound on one pass's activations); the first pass PROBE_CHUNK.
+    MIN_CHUNK, MIN_CHUNK_WITH_DECODE, MAX_CHUNK, PROBE_CHUNK = 32, 16, 8192, 512
 
     def __init__(
         self,
@@ -338,10 +356,7 @@ class Engine:
                 with torch.inference_mode():
                     self._drop_running()
                     self._start(admitted)
-                    if self.running:
-                        self._decode()
-                    if self.prefilling:
-                        self._prefill()
+                    self._step()
             except Exception as e:  # noqa: BLE001 - a failed pass fails its requests, not the server
                 log.exception("generation failed")
                 with torch.inference_mode():  # freeing a row writes to the cache, an inference tensor
@@ -440,7 +455,7 @@ class Engine:
             return rows * w * (1 + reach / self.crossover)
 
         hi = max(left)
-        lo = min(self.MIN_CHUNK, hi)
+        lo = min(self.MIN_CHUNK_WITH_DECODE if self.running and hasattr(self.decoder, "run") else self.MIN_CHUNK, hi)
         if cost(hi) <= budget or lo == hi:
             return hi, cost(hi)
         while lo < hi:  # the widest within the budget; at least MIN_CHUNK tokens each
@@ -448,11 +463,44 @@ class Engine:
             lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid - 1)
         return lo, cost(lo)
 
-    def _prefill(self) -> None:
-        """The next chunk of every prefilling prompt, in one pass over their rows (the top rows, contiguous)."""
+    def _step(self) -> None:
+        """One decode step for the decoding rows and the next chunk of every prefilling prompt: in one pass
+        where the decoder takes several groups of rows (serve/decoder.py's `run`: the weights are read once for
+        both), else one pass each."""
+        decode = self._decode_rows() if self.running else None
+        chunk = self._chunk() if self.prefilling else None
+        t0 = time.perf_counter()
+        if decode is not None and chunk is not None and hasattr(self.decoder, "run"):
+            decoded, prefilled = self._forward_parts([decode, chunk])
+            seconds = time.perf_counter() - t0
+            # what the chunk added to a decode step: the quantity steered toward chunk_ratio decode steps
+            self.last_pass = (chunk.cost, max(seconds - (self.decode_s or 0.0), 1e-6))
+            self._advance(decode.seqs, decoded)
+            self._prefilled(chunk, prefilled)
+            return
+        if decode is not None:
+            self._advance(decode.seqs, self._forward_parts([decode])[0])
+            spent = time.perf_counter() - t0
+            self.decode_s = spent if self.decode_s is None else 0.7 * self.decode_s + 0.3 * spent
+        if chunk is not None:
+            t1 = time.perf_counter()
+            logits = self._forward_parts([chunk])[0]
+            self.last_pass = (chunk.cost, time.perf_counter() - t1)
+            self._prefilled(chunk, logits)
+
+    def _decode_rows(self) -> Rows:
+        """The decoding sequences' next token each: rows 0 .. d-1."""
+        rows = self.running
+        pos = torch.tensor([[s.length - 1] for s in rows])
+        width = max(s.length for s in rows)
+        mask = torch.arange(width).view(1, 1, 1, width) <= pos.view(-1, 1, 1, 1)
+        return Rows(list(rows), torch.tensor([[s.out[-1]] for s in rows]), pos, mask, 0, [1] * len(rows), 0.0)
+
+    def _chunk(self) -> Rows:
+        """The next chunk of every prefilling prompt: their rows (the top rows, contiguous), each chunk
+        left-padded to the pass's width."""
         width, cost = self._width(self._chunk_budget())
         rows = len(self.prefilling)
-        first = self._row(rows - 1)
         seqs = self.prefilling[::-1]  # in row order: prefilling[k] holds row slots-1-k
         ids = torch.full((rows, width), self.pad, dtype=torch.long)
         pos = torch.empty((rows, width), dtype=torch.long)
@@ -467,11 +515,35 @@ class Engine:
             runs.append(n)
         length = int(pos.max()) + 1
         mask = torch.arange(length).view(1, 1, 1, length) <= pos.unsqueeze(1).unsqueeze(-1)
-        t0 = time.perf_counter()
-        logits = self._forward(ids, pos, mask, first, [s.adapter for s in seqs])
-        self.last_pass = (cost, time.perf_counter() - t0)
+        return Rows(seqs, ids, pos, mask, self._row(rows - 1), runs, cost)
+
+    def _forward_parts(self, parts: list[Rows]) -> list[torch.Tensor]:
+        """Logits of the last column of each row of each group, [rows, vocab] in fp32: one pass."""
+        if len(parts) == 1:
+            part = parts[0]
+            return [self._forward(part.ids, part.pos, part.mask, part.first, [s.adapter for s in part.seqs])]
+        from gpuwise.serve.decoder import Part
+
+        self.cache.reserve(max(part.mask.shape[-1] for part in parts))
+        return self.decoder.run(  # type: ignore[union-attr]
+            [
+                Part(
+                    part.ids.to(self.device),
+                    part.pos.to(self.device),
+                    additive_mask(part.mask, self.dtype).to(self.device),
+                    part.first,
+                    part.mask.shape[-1],
+                    [s.adapter for s in part.seqs],
+                )
+                for part in parts
+            ],
+            self.cache,
+        )
+
+    def _prefilled(self, chunk: Rows, logits: torch.Tensor) -> None:
+        """After a chunk's pass: prompts now whole in the cache join the decoding rows with their first token."""
         ready, ready_logits = [], []
-        for i, (s, n) in enumerate(zip(seqs, runs, strict=True)):
+        for i, (s, n) in enumerate(zip(chunk.seqs, chunk.runs, strict=True)):
             s.done += n
             if s.done == len(s.prompt):
                 ready.append(s)
@@ -509,18 +581,6 @@ class Engine:
             self.prefilling[k] = lowest
         self.prefilling.pop()
         self._finished(s, finish, error)
-
-    def _decode(self) -> None:
-        t0 = time.perf_counter()
-        rows = self.running
-        ids = torch.tensor([[s.out[-1]] for s in rows])
-        pos = torch.tensor([[s.length - 1] for s in rows])
-        width = max(s.length for s in rows)
-        mask = torch.arange(width).view(1, 1, 1, width) <= pos.view(-1, 1, 1, 1)
-        logits = self._forward(ids, pos, mask, 0, [s.adapter for s in rows])
-        self._advance(list(rows), logits)
-        spent = time.perf_counter() - t0
-        self.decode_s = spent if self.decode_s is None else 0.7 * self.decode_s + 0.3 * spent
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
         """A token for each row, or the error that row's sampling raised: it fails that request alone."""

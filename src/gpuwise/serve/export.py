@@ -12,6 +12,7 @@ import contextlib
 import io
 import logging
 import os
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -64,7 +65,11 @@ def export_onnx(run_dir: Path, loaded: tuple | None = None) -> Path:
 
     _, workload, module, example, _ = loaded or load_torch(run_dir)
     # An example batch of 2, not 1: torch.export specializes a size-1 dimension to a constant.
-    path, tmp = run_dir / "model.onnx", run_dir / f".model.onnx.{os.getpid()}.tmp"
+    # The temp is made new under a random name (mkstemp: O_EXCL), so the exporter writes to a file of ours,
+    # never through a link planted under a name it could guess.
+    fd, name = tempfile.mkstemp(prefix=".model.onnx.", suffix=".tmp", dir=run_dir)
+    os.close(fd)
+    path, tmp = run_dir / "model.onnx", Path(name)
     try:
         with _quiet(), torch.no_grad():
             # dynamo=True: the torch.export-based exporter, default since 2.9; the TorchScript one is

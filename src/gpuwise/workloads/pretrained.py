@@ -29,11 +29,16 @@ def cache_root() -> Path:
 
 
 def _check_gguf(path: Path) -> None:
-    if not path.is_file():
+    """The header read by gpuwise's own bounded reader (depth, counts and lengths checked against the file)
+    before gguf's reader, which trusts them, maps the file."""
+    from gpuwise.plan.model import read_gguf_header
+
+    if not path.exists():
         raise GpuwiseError(f"--base {path}: no such file")
-    with path.open("rb") as f:
-        if f.read(4) != b"GGUF":
-            raise GpuwiseError(f"--base {path}: not a GGUF file (no GGUF header)")
+    try:
+        read_gguf_header(path)
+    except GpuwiseError as e:
+        raise GpuwiseError(f"--base {e}") from None
 
 
 def _digest(path: Path) -> str:
