@@ -9,7 +9,7 @@ Run: .venv/bin/python benchmarks/engine_step.py [--batches 1,8,32] [--rounds 3] 
 --lora R: every model gets a LoRA adapter of rank R on every linear layer (as a `product-lm` run), every row
 runs it: the fused decoder's row-by-row LoRA against peft's.
 
-No server, no client: the engine's `_prefill` and `_decode` called directly, so what it shows is the model's
+No server, no client: the engine's `_start` and `_step` called directly, so what it shows is the model's
 step and the engine's own bookkeeping. Each round measures every variant at every batch, the order
 alternating by round (this shared VM's speed drifts by tens of per cent over minutes; one variant after
 another would read the drift as a difference). Per (variant, batch): the median decode step over all rounds,
@@ -35,13 +35,14 @@ def engine_step(engine, prompt: list[int], batch: int, steps: int, adapter: str 
     seqs = [
         Sequence(list(prompt), params, lambda e: None, time.monotonic() + 600, adapter=adapter) for _ in range(batch)
     ]
-    engine.running = list(seqs)
-    engine._prefill(seqs)
-    engine._decode()
+    engine._start(seqs)
+    while engine.prefilling:  # the prompts, then a first decode step with them
+        engine._step()
+    engine._step()
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        engine._decode()
+        engine._step()
         times.append(time.perf_counter() - t)
     for s in list(engine.running):
         engine._end(s, "cancelled")

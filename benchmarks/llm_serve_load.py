@@ -193,9 +193,12 @@ def prefix_hits(url: str) -> str:
 
 
 def worktree(ref: str, where: Path) -> str:
-    """The src/ of a checkout of `ref` (a git worktree, removed with `git worktree prune` once `where` is gone)."""
-    tree = where / f"gpuwise-{ref}"
-    subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), ref], check=True, cwd=Path(__file__).parent)
+    """The src/ of a checkout of `ref`: a git worktree, removed when this process exits."""
+    import atexit
+
+    tree, repo = where / f"gpuwise-{ref}", Path(__file__).parent
+    subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), ref], check=True, cwd=repo)
+    atexit.register(subprocess.run, ["git", "worktree", "remove", "--force", str(tree)], cwd=repo, check=False)
     return str(tree / "src")
 
 

@@ -124,6 +124,8 @@ def test_your_own_workload_is_named_on_the_command_line_and_checked(tiny_run, tm
     one_line(capsys, ["predict", tiny_run, POINT], f"add --workload {TINY}")  # one command line does not carry over
     one_line(capsys, ["predict", tiny_run, POINT, "--workload", "launcher:Evil"],
              f"names the workload {TINY}, not --workload launcher:Evil")
+    one_line(capsys, ["serve", tiny_run, "--workload", "launcher:Evil"],
+             f"names the workload {TINY}, not --workload launcher:Evil")  # refused before a server starts
     assert not launcher.exists()
 
     exported = copy(tiny_run, tmp_path, "exported")

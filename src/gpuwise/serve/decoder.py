@@ -337,59 +337,59 @@ class FusedDecoder:
         sizes = [part.ids.numel() for part in parts]
         x = _cat([F.embedding(part.ids.reshape(-1, 1), self.embed) for part in parts])  # [tokens, 1, hidden]
         cos, sin = self.rotary(x, _cat([part.pos.reshape(-1, 1) for part in parts]))  # [tokens, 1, D]
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         groups = self._groups([a for part in parts for a in part.adapters for _ in range(part.ids.shape[1])], len(x))
         kernel = self.attention
+        # each group's rows, cache row indices and (one token a row) lengths, once for every layer
+        where = []
         for part in parts:
-            if part.ids.shape[1] == 1 and kernel is not None and int(part.pos.max()) + 1 > part.length:
+            n, q = part.ids.shape
+            index = torch.arange(part.first, part.first + n, device=x.device).unsqueeze(1)
+            lens = part.pos[:, 0] + 1 if q == 1 else None
+            if lens is not None and kernel is not None and int(lens.max()) > part.length:
                 # once a step: the kernel reads as far as it is told
-                raise ValueError(
-                    f"a row attends to {int(part.pos.max()) + 1} positions, the cache is bound to {part.length}"
-                )
+                raise ValueError(f"a row attends to {int(lens.max())} positions, the cache is bound to {part.length}")
+            where.append((slice(part.first, part.first + n), index, lens))
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(_rms(x, layer.norm1), groups).view(len(x), H + 2 * K, D)
             qk = qkv[:, : H + K]
             half = D // 2
             rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos[:, 0] + rotated * sin[:, 0]
+            qk = qk * cos + rotated * sin
             outs, start = [], 0
-            for part, size in zip(parts, sizes, strict=True):
+            for part, size, at in zip(parts, sizes, where, strict=True):
                 n, q = part.ids.shape
-                out, kernel = self._attend(
-                    i,
-                    part,
-                    qk[start : start + size].view(n, q, H + K, D),
-                    qkv[start : start + size, H + K :].view(n, q, K, D),
-                    cache,
-                    kernel,
-                )
-                outs.append(out.reshape(size, 1, H * D))
+                mine = slice(start, start + size) if len(parts) > 1 else slice(None)  # one group: no slicing
+                v = qkv[mine, H + K :].view(n, q, K, D)
+                out, kernel = self._attend(i, part, at, qk[mine].view(n, q, H + K, D), v, cache, kernel)
+                outs.append(out.view(size, 1, H * D))
                 start += size
             x = x + layer.o(_cat(outs), groups)
             gate, up = layer.gate_up(_rms(x, layer.norm2), groups).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up, groups)
+        if len(parts) == 1:  # a step of one group (most steps): its rows' last columns as a view
+            n, q = parts[0].ids.shape
+            return [self.head(_rms(x.view(n, q, -1)[:, -1], self.norm)).float()]
         last, start = [], 0
         for part, size in zip(parts, sizes, strict=True):
-            n, q = part.ids.shape
-            last.append(torch.arange(start + q - 1, start + size, q))
+            last.append(torch.arange(start + part.ids.shape[1] - 1, start + size, part.ids.shape[1]))
             start += size
-        logits = self.head(_rms(x[torch.cat(last), 0], self.norm)).float()
+        logits = self.head(_rms(x[torch.cat(last).to(x.device), 0], self.norm)).float()
         return list(logits.split([part.ids.shape[0] for part in parts]))
 
-    def _attend(self, i: int, part: Part, qk: torch.Tensor, v: torch.Tensor, cache, kernel):
+    def _attend(self, i: int, part: Part, at: tuple, qk: torch.Tensor, v: torch.Tensor, cache, kernel):
         """Layer i's attention for one group of rows: its keys and values stored, then read back for its rows.
-        qk: [n, q, H + K, D] (rotated); v: [n, q, K, D]. The output [n, q, H * D], and the kernel still in use."""
+        at: its (rows, cache row indices, lengths); qk: [n, q, H + K, D] (rotated); v: [n, q, K, D]. The output
+        [n, q, H * D], and the kernel still in use."""
         H, K, D = self.heads, self.kv_heads, self.head_dim
         n, q = part.ids.shape
-        rows, length = slice(part.first, part.first + n), part.length
-        index = torch.arange(part.first, part.first + n, device=qk.device).unsqueeze(1)
+        (rows, index, lens), length = at, part.length
         k_cache, v_cache = cache.keys[i], cache.values[i]
         k_cache[index, part.pos] = qk[:, :, H:]
         v_cache[index, part.pos] = v
         keys, values = k_cache[rows, :length], v_cache[rows, :length]  # [n, length, K, D]
         if q == 1 and kernel is not None:
             try:
-                return kernel(qk[:, 0, :H], keys, values, part.pos[:, 0] + 1).view(n, 1, H * D), kernel
+                return kernel(qk[:, 0, :H], keys, values, lens).view(n, 1, H * D), kernel
             except (ValueError, RuntimeError) as e:  # the kernel refused this call: SDPA from here on
                 self._drop_kernel(e)
                 kernel = None
