@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/train_overhead.py
 	$(BIN)/python benchmarks/lm_vs_hf.py
 	$(BIN)/python benchmarks/llm_serve_load.py
+	$(BIN)/python benchmarks/llm_fairness.py
 	$(BIN)/python benchmarks/engine_step.py
 	$(BIN)/python benchmarks/decode_attention.py
 	$(BIN)/python benchmarks/traced_vs_measured.py

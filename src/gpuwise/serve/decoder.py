@@ -331,8 +331,8 @@ class FusedDecoder:
         """One forward pass over several groups of rows, each with its own width, positions and mask (the
         decode step's rows, one token each, and the rows of prompts being prefilled, a chunk each): their tokens
         go through every matmul together, so the weights are read once for all (a pass at a few tokens is bound
-        by that read: it cost a 16-token chunk 34 of its 62 ms on 2 CPU cores), and each group attends over
-        its own rows of `cache`. The logits of each row's last column, [rows, vocab] in fp32, per group."""
+        by that read: docs/serving.md), and each group attends over its own rows of `cache`. The logits of each
+        row's last column, [rows, vocab] in fp32, per group."""
         H, K, D = self.heads, self.kv_heads, self.head_dim
         sizes = [part.ids.numel() for part in parts]
         x = _cat([F.embedding(part.ids.reshape(-1, 1), self.embed) for part in parts])  # [tokens, 1, hidden]
@@ -402,7 +402,6 @@ class FusedDecoder:
         if H != K:
             # A prompt's chunk: the G = H/K heads that share a key/value head become G x q queries of it, the
             # mask repeated G times, rather than SDPA's enable_gqa, which expands the keys and values G times
-            # (a 32-token chunk at a 6,000-token context: 15-30 % less time in attention on a 2-core CPU)
             G = H // K
             query = qk[:, :, :H].reshape(n, q, K, G, D).permute(0, 2, 3, 1, 4).reshape(n, K, G * q, D)
             mask = part.bias.unsqueeze(2).expand(n, 1, G, q, length).reshape(n, 1, G * q, length)

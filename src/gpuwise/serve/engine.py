@@ -11,17 +11,16 @@ One engine thread owns the model. Each turn of its loop it
    new text (thread-safe: the client's callback puts it on its event loop's queue).
 
 Chunked prefill (Sarathi-Serve, Agrawal et al. OSDI 2024; vLLM's chunked prefill): a long prompt's forward
-would otherwise hold every running stream for its whole length (a 6k-token prompt held 32 streams for tens
-of seconds). Its chunks are sized by measured time, not a fixed token count, so the same rule holds on any
-device: while others decode, a chunk adds about `chunk_ratio` times the recent decode steps' time (1.5: a
-stream's time per token about 2.5x while a long prompt prefills); with nobody decoding, about `solo_chunk_s`
-(a newcomer's wait, and the granularity of the request timeout). Cost is counted in token-equivalents of the
-linear layers, `tokens x (1 + context / crossover)`, where the crossover is the context at which a token's
-attention costs as much as its matmuls (per layer: its weights / (2 x heads x head dim)). Each pass's cost is
-steered from the last one's measured time toward the target (at most 2x up or down a pass), not predicted
-from a model of the device: a pass has a part that does not shrink with it (a small model's 30 layers of
-dispatch took about as long as a decode step on 2 CPU cores), and a CPU's attention ran at a tenth of its
-matmuls' FLOP rate, neither of which FLOP counts see.
+would otherwise hold every running stream for its whole length. Its chunks are sized by measured time, not a
+fixed token count, so the same rule holds on any device: while others decode, a chunk adds about `chunk_ratio`
+times the recent decode steps' time (1.5: a stream's time per token about 2.5x while a long prompt prefills);
+with nobody decoding, about `solo_chunk_s` (a newcomer's wait, and the granularity of the request timeout).
+Cost is counted in token-equivalents of the linear layers, `tokens x (1 + context / crossover)`, where the
+crossover is the context at which a token's attention costs as much as its matmuls (per layer: its weights /
+(2 x heads x head dim)). Each pass's cost is steered from the last one's measured time toward the target (at
+most 2x up or down a pass), not predicted from a model of the device: a pass has a part that does not shrink
+with it (its weight reads), and a CPU's attention runs far below its matmuls' FLOP rate; FLOP counts see
+neither (docs/serving.md).
 
 Why not transformers' own continuous batching (`generate_batch`, `transformers serve
 --continuous-batching`): `benchmarks/llm_serve_load.py` (SmolLM2-135M, 32 concurrent streams) measured this
@@ -271,11 +270,10 @@ class Engine:
     A prompt that finishes prefilling is copied down to row d once (a short prompt: a few KB)."""
 
     # A prefill chunk runs at least MIN_CHUNK tokens a row, so that a long prompt moves however busy the
-    # engine. A pass of its own reads every weight once, as a decode step does, so a small one costs nearly as
-    # much (2 CPU cores, SmolLM2: 16 tokens 46 ms, 64 tokens 62 ms, a decode step of 8 rows 57 ms): 32 there
-    # (a 6k-token prompt among 8 streams took 36 s at 32, 61-76 s at 16). Run with a decode step (a decoder
-    # with `run`), a chunk adds mostly its attention, which at a 6,000-token context is most of it: 16 there.
+    # engine. A pass of its own reads every weight, as a decode step does, so a small one costs nearly as much:
+    # 32 there. Run with a decode step (a decoder with `run`), a chunk adds mostly its attention: 16 there.
     # At most MAX_CHUNK token-equivalents (a bound on one pass's activations); the first pass PROBE_CHUNK.
+    # The figures behind each: docs/serving.md.
     MIN_CHUNK, MIN_CHUNK_WITH_DECODE, MAX_CHUNK, PROBE_CHUNK = 32, 16, 8192, 512
 
     def __init__(
