@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import socket
 from pathlib import Path
@@ -12,21 +11,18 @@ import typer
 
 from gpuwise.cli.options import WorkloadOpt, console
 from gpuwise.errors import GpuwiseError
+from gpuwise.serve.hosts import is_loopback_name
 
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+# serve and ui alike: a client's time to send its headers, and again its body
+ReadTimeoutOpt = Annotated[
+    float, typer.Option(min=0.1, max=3600, help="Seconds a client may take to send its headers, and its body.")
+]
 
 
 def check_key(host: str, api_key: str | None, exposes: str, cookie: bool = False) -> None:
     """The rule of every gpuwise server: off loopback a key is required, and a key must be one an HTTP header
     (and, where the page sends it as a cookie, a cookie: no spaces) can carry."""
-    if not is_loopback(host) and not api_key:
+    if not is_loopback_name(host) and not api_key:
         raise GpuwiseError(f"--host {host} exposes {exposes} beyond this machine: set --api-key or GPUWISE_API_KEY")
     lowest = 33 if cookie else 32  # a cookie value holds no space
     if api_key is not None and (not api_key.strip() or any(ord(c) < lowest or ord(c) == 127 for c in api_key)):
@@ -93,9 +89,7 @@ def serve(
         ),
     ] = None,
     timeout: Annotated[float, typer.Option(min=0.001, max=86400, help="Seconds a request may take.")] = 30.0,
-    read_timeout: Annotated[
-        float, typer.Option(min=0.1, max=3600, help="Seconds a client may take to send its headers, and its body.")
-    ] = 30.0,
+    read_timeout: ReadTimeoutOpt = 30.0,
     max_connections: Annotated[
         int, typer.Option(min=1, max=100_000, help="Connections open at once; a 503 beyond.")
     ] = 256,

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from gpuwise.cli.options import CatalogOpt
-from gpuwise.cli.serve import ALLOWED_HOST_HELP, HOST_HELP, _check_port_free, check_key
+from gpuwise.cli.serve import ALLOWED_HOST_HELP, HOST_HELP, ReadTimeoutOpt, _check_port_free, check_key
 from gpuwise.errors import GpuwiseError
 
 
@@ -41,9 +41,7 @@ def ui(
         str | None,
         typer.Option(envvar="GPUWISE_ENDPOINT_KEY", help="The API key of the --endpoint servers, if they need one."),
     ] = None,
-    read_timeout: Annotated[
-        float, typer.Option(min=0.1, max=3600, help="Seconds a client may take to send its headers, and its body.")
-    ] = 30.0,
+    read_timeout: ReadTimeoutOpt = 30.0,
     max_body_mb: Annotated[
         float, typer.Option(min=0.001, max=4096, help="Largest request body (an image sent to an endpoint).")
     ] = 64.0,
