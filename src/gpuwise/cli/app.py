@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from gpuwise import __version__
-from gpuwise.cli import bench, chat, export, hardware, plan, report, runs, schema, serve, train, ui
+from gpuwise.cli import bench, chat, export, hardware, launch, plan, report, runs, schema, serve, train, ui
 from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.hardware.cpu import retain_freed_memory
 
@@ -57,6 +57,7 @@ app.command()(hardware.devices)
 app.command(epilog=plan.EPILOG)(plan.plan)
 app.command(epilog=train.EPILOG)(train.train)
 app.command()(train.predict)
+app.command(epilog=launch.EPILOG)(launch.launch)
 app.command()(bench.bench)
 app.command()(serve.serve)
 app.command()(chat.chat)

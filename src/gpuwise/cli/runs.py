@@ -19,7 +19,7 @@ app = typer.Typer(
 
 
 def _headline(r: dict[str, Any]) -> str:
-    from gpuwise.results import BenchResult, PlanResult, TrainSummary
+    from gpuwise.results import BenchResult, LaunchRecord, PlanResult, TrainSummary
     from gpuwise.runs import db
 
     try:
@@ -33,6 +33,10 @@ def _headline(r: dict[str, Any]) -> str:
     if isinstance(result, PlanResult):
         hours = result.compute.gpu_hours if result.compute else 0
         return f"{result.gpus} x {result.gpu}, fits {result.fits}, {hours:,.1f} GPU-h"
+    if isinstance(result, LaunchRecord):
+        from gpuwise.launch.status import headline
+
+        return headline(result)
     if isinstance(result, BenchResult):
         return ", ".join(f"{k} {len(v.workloads)} workloads" for k, v in result.devices.items())
     d = r["data"]  # a traced plan: its figures are per step, not per job
@@ -63,7 +67,13 @@ def show(record_id: Annotated[int, typer.Argument(help="A record id from `gpuwis
     """Everything recorded for one plan, bench or run (its JSON)."""
     from gpuwise.runs import db
 
-    emit(db.get(record_id))
+    row = db.get(record_id)
+    if row["kind"] == "launch":  # the job as it is now: its state, and its summary once it has finished
+        from gpuwise.launch.status import status
+        from gpuwise.results import LaunchRecord
+
+        row["data"] |= status(db.load_data(row, LaunchRecord))
+    emit(row)
 
 
 @app.command()

@@ -97,7 +97,6 @@ def train(
     as_json: JsonOpt = False,
 ):
     """Train a workload on the best device here: data -> forward -> loss -> update, checkpoints, evaluation."""
-    from gpuwise.train.config import TrainConfig
     from gpuwise.train.loop import resume as resume_run
     from gpuwise.train.loop import train as train_run
     from gpuwise.train.report import render
@@ -117,39 +116,7 @@ def train(
             raise GpuwiseError(
                 "--workload confirms the workload of a run read from disk (--resume): name it as WORKLOAD"
             )
-        # str.isdigit() holds for '²' and '٣', which int() then refuses or reads as 3: only 0-9 are a number here
-        if micro_batch_size != "auto" and not (micro_batch_size.isascii() and micro_batch_size.isdigit()):
-            raise GpuwiseError(f"--micro-batch-size must be a positive integer or auto, not '{micro_batch_size}'")
-        from gpuwise.workloads.registry import name_given
-
-        name_given(workload)  # the parts of a run (Workload.parts) read it back from their config.yaml
-        cfg = TrainConfig(
-            workload=workload,
-            data=str(data) if data else None,
-            run_dir=str(run_dir) if run_dir else None,
-            epochs=epochs,
-            max_steps=max_steps,
-            batch_size=batch_size,
-            micro_batch_size=None if micro_batch_size == "auto" else int(micro_batch_size),
-            lr=lr,
-            seed=seed,
-            checkpoint_every=checkpoint_every,
-            keep_checkpoints=keep_checkpoints,
-            eval_every=eval_every,
-            devices=devices,
-            num_nodes=num_nodes,
-            accelerator=accelerator,
-            precision=precision,
-            strategy=strategy,
-            image_size=image_size,
-            init_from=str(init_from) if init_from else None,
-            base=base,
-            method=method,
-            lora_rank=lora_rank,
-            merge=merge,
-            block_size=block_size,
-            model=model,
-        )
+        cfg = config_of(workload, locals())
         summary = train_run(cfg, console=progress_console)
     if summary is None:  # not rank 0: the first process reports
         return
@@ -157,6 +124,29 @@ def train(
         emit(summary)
     else:
         render(console, summary)
+
+
+def config_of(workload: str, params: dict):
+    """The TrainConfig of a `gpuwise train` command line, from its parsed options (`train`'s parameters:
+    `gpuwise launch` parses the train command it is given with the same options)."""
+    from gpuwise.train.config import TrainConfig
+    from gpuwise.workloads.registry import name_given
+
+    micro = params["micro_batch_size"]
+    # str.isdigit() holds for '²' and '٣', which int() then refuses or reads as 3: only 0-9 are a number here
+    if micro != "auto" and not (micro.isascii() and micro.isdigit()):
+        raise GpuwiseError(f"--micro-batch-size must be a positive integer or auto, not '{micro}'")
+    name_given(workload)  # the parts of a run (Workload.parts) read it back from their config.yaml
+    paths: dict = {k: str(params[k]) if params[k] else None for k in ("data", "run_dir", "init_from")}
+    same = ("epochs", "max_steps", "batch_size", "lr", "seed", "checkpoint_every", "keep_checkpoints", "eval_every",
+            "devices", "num_nodes", "accelerator", "precision", "strategy", "image_size", "base", "method",
+            "lora_rank", "merge", "block_size", "model")  # fmt: skip
+    return TrainConfig(
+        workload=workload,
+        micro_batch_size=None if micro == "auto" else int(micro),
+        **paths,
+        **{k: params[k] for k in same},
+    )
 
 
 def predict(

@@ -31,6 +31,7 @@ class Roofline(TorchDispatchMode):
 
         self.registry, self.peak, self.bandwidth = flop_registry, peak_flops, bandwidth
         self.seconds = self.flops = self.bytes = 0.0
+        self.ops: list[tuple[float, float]] = []  # (FLOPs, bytes) per op: the same step priced on other devices
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -49,7 +50,12 @@ class Roofline(TorchDispatchMode):
         self.flops += flops
         self.bytes += moved
         self.seconds += max(flops / self.peak, moved / self.bandwidth)
+        self.ops.append((flops, moved))
         return out
+
+    def seconds_on(self, peak_flops: float, bandwidth: float) -> float:
+        """The roofline time of the counted ops on another device."""
+        return sum(max(f / peak_flops, b / bandwidth) for f, b in self.ops)
 
 
 @dataclass

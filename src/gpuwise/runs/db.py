@@ -22,14 +22,19 @@ from pydantic import ValidationError
 
 from gpuwise.errors import GpuwiseError
 from gpuwise.files import to_json
-from gpuwise.results import BenchResult, PlanResult, R, Result, TrainSummary, problem
+from gpuwise.results import BenchResult, LaunchRecord, PlanResult, R, Result, TrainSummary, problem
 
 ENV_VAR = "GPUWISE_DB"
-KINDS: dict[str, type[Result]] = {"plan": PlanResult, "bench": BenchResult, "train": TrainSummary}
+KINDS: dict[str, type[Result]] = {
+    "plan": PlanResult,
+    "bench": BenchResult,
+    "train": TrainSummary,
+    "launch": LaunchRecord,
+}
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
-    kind TEXT NOT NULL,          -- plan | bench | train
+    kind TEXT NOT NULL,          -- plan | bench | train | launch
     created TEXT NOT NULL,       -- ISO time, UTC
     device TEXT NOT NULL,        -- cpu:<model>, cuda:<catalog slug>, or the planned accelerator
     name TEXT NOT NULL,          -- the model or workload

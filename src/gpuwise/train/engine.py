@@ -7,6 +7,7 @@ torchrun/SLURM environments, and collective checkpoint save/load.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -58,6 +59,13 @@ def make_fabric(cfg: TrainConfig):
     accelerator = resolve_accelerator(cfg.accelerator)
     precision = resolve_precision(cfg.precision, accelerator)
     strategy = resolve_strategy(cfg.strategy, cfg.devices * cfg.num_nodes)
+    plugins: list = []
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # Under torchrun inside a Slurm job, Fabric would otherwise read SLURM_NTASKS (one torchrun task per
+        # node) as the world size, and hang or run on one GPU (Lightning #18504, #20391): torchrun's ranks win.
+        from lightning_fabric.plugins.environments import TorchElasticEnvironment
+
+        plugins.append(TorchElasticEnvironment())
     try:
         fabric = Fabric(
             accelerator=accelerator,
@@ -70,6 +78,7 @@ def make_fabric(cfg: TrainConfig):
             strategy=ModelParallelStrategy(fully_shard_model, cfg.devices * cfg.num_nodes, 1)
             if strategy == "fsdp"
             else strategy,
+            plugins=plugins or None,
         )
     except (ValueError, RuntimeError) as e:  # Fabric's refusals: 16-mixed under FSDP, more devices than exist, ...
         raise GpuwiseError(

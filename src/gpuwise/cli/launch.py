@@ -1,0 +1,233 @@
+"""`gpuwise launch`: a planned training job written as Slurm, Ray, SkyPilot or Kubernetes would run it,
+and with --submit handed to that engine's own client and recorded."""
+
+from __future__ import annotations
+
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.table import Table
+
+from gpuwise.cli.options import CatalogOpt, JsonOpt, console, emit, load_catalog
+from gpuwise.errors import GpuwiseError
+
+EngineName = StrEnum("EngineName", ["slurm", "ray", "skypilot", "k8s"])
+EPILOG = (
+    "Examples: gpuwise launch slurm --gpu h100-sxm --gpus 8 -- train product-lm · "
+    "gpuwise launch ray --gpu cpu --gpus 2 --submit -- train recommender --max-steps 20 · "
+    "gpuwise launch skypilot --max-cost 50 -- train defects · gpuwise launch k8s --gpu a100-80gb -- train defects"
+)
+SLURM, RAY, SKY, K8S = "Slurm", "Ray", "SkyPilot", "Kubernetes"
+
+
+def launch(
+    engine: Annotated[EngineName, typer.Argument(help="Where the job runs: slurm, ray, skypilot or k8s.")],
+    job: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="After --: the job, as you would run it here: train WORKLOAD [train options].", show_default=False
+        ),
+    ] = None,
+    gpu: Annotated[
+        str | None,
+        typer.Option(help="Accelerator slug (gpuwise hardware), or cpu for CPU nodes [the cheapest whole job]."),
+    ] = None,
+    gpus: Annotated[int | None, typer.Option(min=1, max=100_000, help="Processes (GPUs) in all [1].")] = None,
+    nodes: Annotated[int | None, typer.Option(min=1, max=10_000, help="Nodes [as few as the servers hold].")] = None,
+    submit: Annotated[bool, typer.Option("--submit", help="Hand the job to the engine and record it.")] = False,
+    out: Annotated[
+        Path | None, typer.Option(help="Where the artifact is written [./JOBNAME + the engine's suffix].")
+    ] = None,
+    run_dir: Annotated[
+        Path | None, typer.Option(help="The run directory, on storage every node sees [./runs/WORKLOAD-TIME].")
+    ] = None,
+    max_cost: Annotated[
+        float | None, typer.Option(min=0, help="Refuse a plan whose cloud cost for the whole job exceeds this, USD.")
+    ] = None,
+    provider: Annotated[str | None, typer.Option(help="Price with this cloud provider only.")] = None,
+    efficiency: Annotated[
+        float | None, typer.Option(min=1e-4, max=1, help="Fraction of dense peak achieved [0.462, PaLM MFU].")
+    ] = None,
+    cpus_per_node: Annotated[int | None, typer.Option(min=1, help="CPU cores per node [8 per GPU].")] = None,
+    mem_per_node: Annotated[
+        int | None, typer.Option(min=1, help="Host memory per node, GiB [2 x the planned memory + 8].")
+    ] = None,
+    python: Annotated[
+        str | None,
+        typer.Option(help="The Python with gpuwise on the nodes [this one for Slurm and Ray; python elsewhere]."),
+    ] = None,
+    partition: Annotated[str | None, typer.Option(help=f"{SLURM}: partition.", rich_help_panel=SLURM)] = None,
+    account: Annotated[str | None, typer.Option(help=f"{SLURM}: account.", rich_help_panel=SLURM)] = None,
+    qos: Annotated[str | None, typer.Option(help=f"{SLURM}: QoS.", rich_help_panel=SLURM)] = None,
+    gres_type: Annotated[
+        str | None, typer.Option(help=f"{SLURM}: your site's GPU type name (--gpus-per-node=TYPE:N).")
+    ] = None,
+    address: Annotated[
+        str | None, typer.Option(help=f"{RAY}: the cluster's dashboard address [RAY_ADDRESS, else http://127.0.0.1:8265].")
+    ] = None,
+    managed: Annotated[
+        bool, typer.Option("--managed", help=f"{SKY}: a managed job (sky jobs launch), recovered after preemption.")
+    ] = False,
+    spot: Annotated[bool, typer.Option("--spot", help=f"{SKY}: spot instances (with --managed).")] = False,
+    bucket: Annotated[str | None, typer.Option(help=f"{SKY}: the bucket that holds the run directory.")] = None,
+    autostop: Annotated[int, typer.Option(min=1, help=f"{SKY}: idle minutes before the cluster stops.")] = 10,
+    setup: Annotated[str | None, typer.Option(help=f"{SKY}: the command that installs gpuwise on a node.")] = None,
+    image: Annotated[str | None, typer.Option(help=f"{K8S}: the container image with gpuwise installed.")] = None,
+    namespace: Annotated[str | None, typer.Option(help=f"{K8S}: namespace.")] = None,
+    pvc: Annotated[
+        str | None, typer.Option(help=f"{K8S}: an existing PersistentVolumeClaim for the runs [one is created].")
+    ] = None,
+    pvc_size: Annotated[int, typer.Option(min=1, help=f"{K8S}: GiB of the created claim.")] = 100,
+    storage_class: Annotated[str | None, typer.Option(help=f"{K8S}: storage class of the created claim.")] = None,
+    catalog: CatalogOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Write a planned training job as an engine runs it (an sbatch script, a Ray job, a SkyPilot task,
+    Kubernetes manifests), with the plan's figures beside it; --submit hands it to the engine."""
+    from gpuwise.launch.engines import Options, engines
+    from gpuwise.launch.job import plan_job
+
+    if spot and not managed:
+        raise GpuwiseError("--spot needs --managed: an unmanaged spot cluster is not recovered after a preemption")
+    chosen = engines()[str(engine)]
+    on_same_fs = str(engine) in ("slurm", "ray")
+    opts = Options(
+        python=python or (sys.executable if on_same_fs else "python"),
+        partition=partition,
+        account=account,
+        qos=qos,
+        gres_type=gres_type,
+        address=address,
+        managed=managed,
+        spot=spot,
+        bucket=bucket,
+        autostop_min=autostop,
+        setup=setup,
+        image=image,
+        namespace=namespace,
+        pvc=pvc,
+        pvc_size_gib=pvc_size,
+        storage_class=storage_class,
+    )
+    if submit and chosen.name != "ray":  # the cheapest refusal first: before the job is built and traced
+        chosen.need_client()
+    planned = plan_job(
+        list(job or []),
+        load_catalog(catalog),
+        gpu=gpu,
+        gpus=gpus,
+        nodes=nodes,
+        provider=provider,
+        run_dir=str(run_dir) if run_dir else None,
+        efficiency=efficiency,
+        cpus_per_node=cpus_per_node,
+        mem_per_node_gib=mem_per_node,
+        nameable=chosen.names,
+    )
+    figures = planned.figures()
+    if max_cost is not None:
+        cost = planned.choice.usd
+        if cost is None:
+            raise GpuwiseError(f"--max-cost: no cloud price is known for {planned.choice.name} (see gpuwise hardware)")
+        if cost > max_cost:
+            raise GpuwiseError(
+                f"the plan costs ${cost:,.2f} on {planned.choice.gpus} x {planned.choice.name} "
+                f"({planned.choice.price and planned.choice.price['provider']}), over --max-cost ${max_cost:,.2f}"
+            )
+    chosen.check(planned, opts)
+    if submit:
+        chosen.preflight(planned, opts)
+    text = chosen.render(planned, opts)
+    path = out or Path(planned.name + chosen.suffix)
+    from gpuwise.files import write_atomic
+
+    write_atomic(path, text)
+    job_id = record_id = None
+    if submit:
+        job_id = chosen.submit(path, planned, opts)
+        record_id = _record(chosen.name, job_id, planned, path, opts)
+    if as_json:
+        emit({"engine": chosen.name, "artifact": str(path), "text": text, "plan": figures, "job_id": job_id,
+              "record_id": record_id})  # fmt: skip
+        return
+    _show(planned, figures, gpu is not None)
+    console.print(f"# {path}", style="bold", highlight=False)
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+    if submit:
+        console.print(
+            f"submitted to {chosen.name}: job {job_id}; run record #{record_id}: gpuwise runs", highlight=False
+        )
+    else:
+        console.print(f"not submitted: add --submit to hand {path} to {chosen.name}", highlight=False)
+
+
+def _record(engine: str, job_id: str, job, path: Path, opts) -> int | None:
+    from gpuwise.results import LaunchRecord
+    from gpuwise.runs import db
+
+    found = {"address": opts.address} if engine == "ray" else {}
+    if engine == "ray" and not opts.address:
+        from gpuwise.launch.rayjob import address_of
+
+        found = {"address": address_of(opts)}
+    found |= {"namespace": opts.namespace} if opts.namespace else {}
+    found |= {"managed": True} if opts.managed else {}
+    data = LaunchRecord(
+        engine=engine,
+        job_id=job_id,
+        name=job.name,
+        workload=job.workload,
+        run_dir=job.run_dir,
+        artifact=str(path.resolve()),
+        command=job.train_command(),
+        plan=job.figures(),
+        engine_options=found,
+    )
+    return db.try_record("launch", job.choice.gpu, job.workload, data, run_dir=job.run_dir)
+
+
+def _show(job, f: dict, given: bool) -> None:
+    c = job.choice
+    title = f"plan: {job.workload}, {job.steps:,} steps"
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    t.add_column("where it comes from")
+    price = c.price
+    rows = [
+        ("accelerator", c.name, "--gpu" if given else "the cheapest whole job of the catalog"),
+        ("GPUs per node x nodes", f"{c.per_node} x {c.nodes}", "--gpus/--nodes, or 1"),
+        ("memory per GPU", f"{c.memory_bytes / 2**30:,.2f} of {c.capacity_bytes / 2**30:,.0f} GiB", job.method),
+        ("step time", _seconds(c.step_s), f"{c.precision}, efficiency {job.efficiency:g}: {job.efficiency_origin}"),
+        ("wall time", _seconds(c.wall_s), f"{job.steps:,} steps x the step time"),
+        ("time limit", _seconds(job.time_limit_s), f["sources"]["time_limit"]),
+        ("GPU-hours", f"{c.gpu_hours:,.3f}", "wall time x GPUs"),
+        (
+            "cost",
+            f"${c.usd:,.2f}" if c.usd is not None else "-",
+            f"{price['provider']} {price['kind']}, ${price['usd_per_gpu_hour']:.2f}/GPU-h as of {price['as_of']}: "
+            f"{price['source']}"
+            if price
+            else "no cloud price in the catalog",
+        ),
+        ("CPUs, memory per node", f"{job.cpus_per_node}, {job.mem_per_node_gib} GiB",
+         f"{f['sources']['cpus']}; {f['sources']['host_memory']}"),  # fmt: skip
+    ]
+    for alt in job.alternatives:
+        cost = f"${alt.usd:,.2f}" if alt.usd is not None else "no price"
+        rows.append(("fallback", alt.name, f"{_seconds(alt.wall_s)}, {cost}"))
+    for r in rows:
+        t.add_row(*r)
+    console.print(t)
+
+
+def _seconds(s: float) -> str:
+    if s < 120:
+        return f"{s:.3g} s"
+    if s < 7200:
+        return f"{s / 60:,.1f} min"
+    return f"{s / 3600:,.2f} h"

@@ -1,0 +1,174 @@
+"""What every engine shares: its options, the contract each one implements, and the names of accelerators
+in each engine's own terms.
+
+gpuwise writes no scheduler: an engine here only renders its engine's own artifact from a `Job` (an sbatch
+script, a Ray job, a SkyPilot task, Kubernetes manifests) and hands it to that engine's own client.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuwise.errors import GpuwiseError
+from gpuwise.launch.job import Job
+
+CLIENT_TIMEOUT_S = 120  # one call of an engine's client (sbatch, kubectl apply, ...)
+STATE_TIMEOUT_S = 15  # asking a job's state for `gpuwise runs`: a slow engine must not hang the listing
+
+
+@dataclass(frozen=True)
+class Options:
+    """The engine-specific options of `gpuwise launch`; each engine reads its own."""
+
+    python: str = "python3"  # the Python that runs gpuwise on the nodes
+    partition: str | None = None  # Slurm
+    account: str | None = None
+    qos: str | None = None
+    gres_type: str | None = None  # Slurm: the site's GPU type name in --gpus-per-node=TYPE:N
+    address: str | None = None  # Ray: the cluster (else RAY_ADDRESS)
+    managed: bool = False  # SkyPilot: a managed job (sky jobs launch), recovered after preemption
+    spot: bool = False
+    bucket: str | None = None  # SkyPilot: the bucket the run directory lives in
+    autostop_min: int = 10
+    setup: str | None = None  # SkyPilot: the command that installs gpuwise on each node
+    image: str | None = None  # Kubernetes: the container image with gpuwise installed
+    namespace: str | None = None
+    pvc: str | None = None  # Kubernetes: an existing claim for the run directory (else one is created)
+    pvc_size_gib: int = 100
+    storage_class: str | None = None
+
+
+class Engine(ABC):
+    name: str
+    suffix: str  # of the artifact's file
+    client: str  # the program --submit runs
+    install: str  # how to get it, for the refusal when it is missing
+    names: dict[str, str] | None = None  # catalog slug -> the engine's name for it; None: any GPU (Slurm)
+
+    def check(self, job: Job, opts: Options) -> None:  # noqa: B027 - most engines refuse nothing more
+        """Refuse, before anything is written or submitted, a job this engine cannot run as planned."""
+
+    def preflight(self, job: Job, opts: Options) -> None:
+        """Before --submit writes anything: the engine's client is here, and the engine can run the job."""
+        self.need_client()
+
+    @abstractmethod
+    def render(self, job: Job, opts: Options) -> str: ...
+
+    @abstractmethod
+    def submit(self, artifact: Path, job: Job, opts: Options) -> str:
+        """Hand the artifact to the engine; the job's id there."""
+
+    @abstractmethod
+    def state(self, job_id: str, data: dict) -> str:
+        """The job's state as the engine names it (PENDING, RUNNING, COMPLETED, FAILED, ...)."""
+
+    def need_client(self) -> str:
+        found = shutil.which(self.client)
+        if found is None:
+            raise GpuwiseError(f"--submit needs {self.name}'s client `{self.client}` (not on PATH): {self.install}")
+        return found
+
+
+def run_client(argv: list[str], what: str, timeout: float = CLIENT_TIMEOUT_S, **kw) -> str:
+    """Run an engine's client; its refusal (stderr) as one line."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
+    except subprocess.TimeoutExpired:
+        raise GpuwiseError(f"{what}: `{argv[0]}` gave no answer in {timeout:.0f} s") from None
+    except OSError as e:
+        raise GpuwiseError(f"{what}: cannot run `{argv[0]}`: {e.strerror}") from None
+    if done.returncode != 0:
+        text = done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}"
+        said = text.splitlines()[-1][:300]  # clients end with the line that says why
+        raise GpuwiseError(f"{what}: {said}")
+    return done.stdout
+
+
+# Kubernetes: the value NVIDIA's GPU Feature Discovery gives the node label nvidia.com/gpu.product (the
+# product name nvidia-smi prints, spaces as '-'). SkyPilot and Ray: the names their own catalogs use
+# (sky's accelerator registry; ray.util.accelerators).
+K8S_PRODUCT = {
+    "t4": "Tesla-T4",
+    "l4": "NVIDIA-L4",
+    "a10": "NVIDIA-A10",
+    "a10g": "NVIDIA-A10G",
+    "l40s": "NVIDIA-L40S",
+    "a100-40gb": "NVIDIA-A100-SXM4-40GB",
+    "a100-80gb": "NVIDIA-A100-SXM4-80GB",
+    "h100-sxm": "NVIDIA-H100-80GB-HBM3",
+    "h100-pcie": "NVIDIA-H100-PCIe",
+    "h100-nvl": "NVIDIA-H100-NVL",
+    "h200": "NVIDIA-H200",
+    "b200": "NVIDIA-B200",
+    "rtx-3090": "NVIDIA-GeForce-RTX-3090",
+    "rtx-4090": "NVIDIA-GeForce-RTX-4090",
+    "rtx-5090": "NVIDIA-GeForce-RTX-5090",
+    "rtx-a6000": "NVIDIA-RTX-A6000",
+}
+SKY_NAME = {
+    "t4": "T4",
+    "l4": "L4",
+    "a10": "A10",
+    "a10g": "A10G",
+    "l40s": "L40S",
+    "a100-40gb": "A100",
+    "a100-80gb": "A100-80GB",
+    "h100-sxm": "H100",
+    "h100-pcie": "H100",
+    "h100-nvl": "H100-NVL",
+    "h200": "H200",
+    "b200": "B200",
+    "rtx-4090": "RTX4090",
+    "rtx-a6000": "RTXA6000",
+    "mi300x": "MI300X",
+}
+RAY_NAME = {
+    "t4": "T4",
+    "l4": "L4",
+    "a10g": "A10G",
+    "l40s": "L40S",
+    "a100-40gb": "A100-40G",
+    "a100-80gb": "A100-80G",
+    "h100-sxm": "H100",
+    "h100-pcie": "H100",
+    "h100-nvl": "H100",
+    "h200": "H200",
+    "b200": "B200",
+    "mi250x": "AMD-Instinct-MI250X-MI250",
+}
+
+
+def dump_yaml(docs: list[dict]) -> str:
+    """YAML as people write it: a multi-line string (a script) as a literal block, keys in their order."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data) -> bool:  # the same dict twice is written twice, not as &id001
+            return True
+
+    def text(dumper, value: str):
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+    Dumper.add_representer(str, text)
+    return yaml.dump_all(docs, Dumper=Dumper, sort_keys=False, width=120)
+
+
+def engine_name(table: dict[str, str], job_gpu: str, gpu_name: str, engine: str, hint: str) -> str:
+    name = table.get(job_gpu)
+    if name is None:
+        raise GpuwiseError(f"gpuwise cannot name {gpu_name} in {engine}'s terms: {hint}")
+    return name
+
+
+def engines() -> dict[str, Engine]:
+    from gpuwise.launch.k8s import Kubernetes
+    from gpuwise.launch.rayjob import Ray
+    from gpuwise.launch.skypilot import SkyPilot
+    from gpuwise.launch.slurm import Slurm
+
+    return {e.name: e for e in (Slurm(), Ray(), SkyPilot(), Kubernetes())}

@@ -1,0 +1,410 @@
+"""A launched job: the train command it runs, the layout the plan chose, and the figures that plan rests on.
+
+The plan is the traced planner run on the job's own model: the workload is built as `gpuwise train` would
+build it (its data counted, its model made on the CPU), one training step of the per-process batch runs on
+fake tensors, and its operations are priced on every catalog accelerator by the roofline. Each engine's
+artifact is written from a `Job` and from nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Collection
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from gpuwise.errors import GpuwiseError
+from gpuwise.hardware.catalog import Accelerator, Catalog
+from gpuwise.plan.request import ALLOCATOR_SLACK, EFFICIENCY, OVERHEAD_BYTES, Assumption
+
+# Where each figure of a launch comes from, printed beside it.
+TIME_MARGIN = Assumption(1.5, "assumption: the time limit is the planned training time x 1.5")
+STARTUP_S = Assumption(600, "assumption: plus 10 minutes for start-up, data loading and the final evaluation")
+CPUS_PER_GPU = Assumption(8, "assumption: 8 CPU cores per GPU for data loading (DGX H100: 112 cores, 8 GPUs)")
+HOST_MEMORY = Assumption(2.0, "assumption: host memory 2 x the planned memory of the node's processes, + 8 GiB")
+RDZV_PORT = 29500  # torchrun's default rendezvous port
+TOP_CHOICES = 3  # the plan's best accelerators that SkyPilot may fall back to, in gpuwise's order
+
+# Flags of `gpuwise train` that the launch sets from the layout; given by the user they would contradict it.
+SET_BY_LAUNCH = {
+    "--devices": "--gpus and --nodes",
+    "--num-nodes": "--nodes",
+    "--accelerator": "--gpu",
+    "--resume": "the job itself (a requeued or recovered job resumes its run)",
+}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One accelerator's figures for the whole job."""
+
+    gpu: str  # catalog slug, or "cpu"
+    name: str
+    gpus: int  # processes in all (GPUs, or CPU processes)
+    nodes: int
+    per_node: int
+    memory_bytes: int  # planned peak per process
+    capacity_bytes: int
+    fits: bool
+    step_s: float
+    wall_s: float  # training steps only
+    gpu_hours: float
+    usd: float | None
+    price: dict | None  # provider, usd_per_gpu_hour, kind, as_of, source
+    precision: str
+
+
+@dataclass(frozen=True)
+class Job:
+    workload: str
+    train_args: tuple[str, ...]  # the user's `gpuwise train` options after the workload, as given
+    run_dir: str
+    name: str  # the job's name on the engine: gpuwise-WORKLOAD-TIME
+    choice: Choice
+    alternatives: tuple[Choice, ...]  # the plan's other accelerators that fit, cheapest job first
+    strategy: str  # ddp or fsdp (auto for one process)
+    accelerator: str  # gpuwise train --accelerator: cuda or cpu
+    steps: int
+    global_batch: int
+    cpus_per_node: int
+    mem_per_node_gib: int
+    time_limit_s: int
+    efficiency: float
+    efficiency_origin: str
+    method: str
+
+    @property
+    def threads(self) -> int:
+        """OMP_NUM_THREADS for each process: the node's CPUs shared out."""
+        return max(1, self.cpus_per_node // self.choice.per_node)
+
+    def train_command(self) -> list[str]:
+        """`gpuwise train` for a fresh run of this job on every node (after `python -m gpuwise`)."""
+        return [
+            "train",
+            self.workload,
+            *self.train_args,
+            "--devices",
+            str(self.choice.per_node),
+            "--num-nodes",
+            str(self.choice.nodes),
+            "--accelerator",
+            self.accelerator,
+            "--strategy",
+            self.strategy,
+            "--run-dir",
+            self.run_dir,
+        ]
+
+    def node_script(
+        self, python: str, node_rank: str, head: str, rdzv_id: str, nodes: str | None = None, launcher: str = ""
+    ) -> str:
+        """The shell every node runs: one torchrun, which starts this node's processes. A run directory that
+        already holds config.yaml is resumed from its newest checkpoint (a requeued, restarted or recovered
+        job); no node can see one before all have joined, since gpuwise writes it after the rendezvous."""
+        fresh = shlex.join(self.train_command())
+        if self.choice.nodes == 1:
+            layout = f"--standalone --nproc-per-node={self.choice.per_node}"
+        else:
+            layout = (
+                f"--nnodes={nodes or self.choice.nodes} --nproc-per-node={self.choice.per_node} "
+                f"--node-rank={node_rank} --rdzv-backend=c10d --rdzv-endpoint={head}:{RDZV_PORT} --rdzv-id={rdzv_id}"
+            )
+        run = shlex.quote(self.run_dir)
+        return (
+            f"if [ -f {run}/config.yaml ]; then\n"
+            f"  set -- train --resume {run}\n"
+            f"else\n"
+            f"  set -- {fresh}\n"
+            f"fi\n"
+            f"{launcher}{python} -m torch.distributed.run {layout} -m gpuwise \"$@\"\n"
+        )
+
+    def figures(self) -> dict[str, Any]:
+        """What `gpuwise launch` prints beside the artifact, and records."""
+        c = self.choice
+        return {
+            "workload": self.workload,
+            "accelerator": c.gpu,
+            "accelerator_name": c.name,
+            "gpus_per_node": c.per_node,
+            "nodes": c.nodes,
+            "memory_per_gpu_bytes": c.memory_bytes,
+            "capacity_bytes": c.capacity_bytes,
+            "steps": self.steps,
+            "global_batch": self.global_batch,
+            "step_time_s": c.step_s,
+            "wall_s": c.wall_s,
+            "time_limit_s": self.time_limit_s,
+            "gpu_hours": c.gpu_hours,
+            "cost_usd": c.usd,
+            "price": c.price,
+            "precision": c.precision,
+            "efficiency": self.efficiency,
+            "efficiency_origin": self.efficiency_origin,
+            "cpus_per_node": self.cpus_per_node,
+            "mem_per_node_gib": self.mem_per_node_gib,
+            "method": self.method,
+            "sources": {
+                "time_limit": f"{TIME_MARGIN.origin}; {STARTUP_S.origin}",
+                "cpus": CPUS_PER_GPU.origin,
+                "host_memory": HOST_MEMORY.origin,
+            },
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def moved(self, run_dir: str) -> Job:
+        """The same job with its run directory where the nodes see it (a bucket or volume mount)."""
+        return replace(self, run_dir=run_dir)
+
+
+def parse_train(argv: list[str]) -> tuple[str, tuple[str, ...], dict]:
+    """The train command given after `--`: its workload, its options as given, and their parsed values,
+    parsed by `gpuwise train`'s own options (so a typo is the same error as there)."""
+    import typer
+
+    from gpuwise.cli import train as train_cli
+
+    if not argv or argv[0] != "train":
+        raise GpuwiseError("give the job after --: gpuwise launch ENGINE [options] -- train WORKLOAD [train options]")
+    for arg in argv[1:]:
+        flag = arg.split("=", 1)[0]
+        if flag in SET_BY_LAUNCH:
+            raise GpuwiseError(f"train {flag} is set by the launch: use {SET_BY_LAUNCH[flag]} instead")
+    app = typer.Typer(add_completion=False)
+    app.command()(train_cli.train)
+    command = typer.main.get_command(app)
+    try:
+        ctx = command.make_context("gpuwise train", list(argv[1:]))
+    except Exception as e:  # click's usage errors: one line, as `gpuwise train` gives them
+        format_message = getattr(e, "format_message", None)
+        message = format_message() if callable(format_message) else str(e)
+        raise GpuwiseError(f"the train command: {message}") from None
+    params = ctx.params
+    if params.get("workload") is None:
+        raise GpuwiseError("name the workload: -- train WORKLOAD [train options]")
+    if params.get("as_json"):
+        raise GpuwiseError("train --json has no reader in a launched job: drop it (gpuwise runs shows the summary)")
+    options = list(argv[1:])
+    options.remove(params["workload"])
+    return params["workload"], tuple(options), params
+
+
+def _traced_step(work, share: int, precision: str, world: int, fsdp: bool):
+    """Memory per process and the Roofline counter of one step of the run's own model at `share` samples."""
+    import contextlib
+    import copy
+
+    from gpuwise.plan.traced import Roofline, fake_process_group, traced_step
+
+    roof = Roofline(1.0, 1.0)  # re-priced per accelerator (Roofline.seconds_on)
+    batch = work.make_batch(list(range(share)), 0)
+
+    def build():
+        fake = copy.deepcopy(work.model)  # under FakeTensorMode: the weights become fake tensors
+        return fake, lambda: work.loss(fake, batch)
+
+    try:
+        with fake_process_group(world) if fsdp else contextlib.nullcontext() as mesh:
+            memory = traced_step(build, precision, mesh, roof)
+    except GpuwiseError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user's model: its failure as one line
+        from gpuwise.errors import first_line
+
+        raise GpuwiseError(f"planning the job failed: one step on fake tensors raised {first_line(e)}") from None
+    tensors = memory.pop("tensors") or sum(memory.values())
+    return int(tensors + OVERHEAD_BYTES.value + ALLOCATOR_SLACK.value * tensors), roof
+
+
+def _candidates(catalog: Catalog, gpu: str | None) -> list[Accelerator]:
+    if gpu == "cpu":
+        from gpuwise.hardware.devices import cpu_accelerator, detect
+
+        return [cpu_accelerator(detect(catalog).cpu)]
+    if gpu:
+        acc = catalog.get(gpu)  # an unknown slug is refused there, with the closest names
+        if acc.kind != "gpu":
+            raise GpuwiseError(
+                f"{acc.name} is a {acc.kind}: gpuwise launch runs `gpuwise train` on GPUs (or --gpu cpu for CPU nodes)"
+            )
+        return [acc]
+    return [a for a in catalog.accelerators.values() if a.kind == "gpu"]
+
+
+def _price(catalog: Catalog, acc: Accelerator, provider: str | None) -> dict | None:
+    rows = [p for p in catalog.prices(acc.slug) if not provider or p.provider.lower() == provider.lower()]
+    if not rows:
+        return None
+    p = min(rows, key=lambda r: r.usd_per_gpu_hour)
+    return {"provider": p.provider, "usd_per_gpu_hour": p.usd_per_gpu_hour, "kind": p.kind, "as_of": p.as_of,
+            "source": p.source}  # fmt: skip
+
+
+def layout(acc: Accelerator, gpus: int, nodes: int | None) -> tuple[int, int]:
+    """(nodes, processes per node) for `gpus` processes: as few nodes as the accelerator's server holds."""
+    per_server = acc.max_per_node if acc.kind == "gpu" else gpus
+    nodes = nodes or math.ceil(gpus / per_server)
+    if gpus % nodes:
+        raise GpuwiseError(f"{gpus} GPUs do not split evenly over {nodes} nodes: give --gpus a multiple of --nodes")
+    per_node = gpus // nodes
+    if per_node > per_server:
+        raise GpuwiseError(
+            f"{per_node} {acc.name} per node: its servers hold at most {per_server} (catalog: max_per_node); "
+            f"use --nodes {math.ceil(gpus / per_server)} or more"
+        )
+    return nodes, per_node
+
+
+def plan_job(
+    argv: list[str],
+    catalog: Catalog,
+    gpu: str | None = None,
+    gpus: int | None = None,
+    nodes: int | None = None,
+    provider: str | None = None,
+    run_dir: str | None = None,
+    efficiency: float | None = None,
+    cpus_per_node: int | None = None,
+    mem_per_node_gib: int | None = None,
+    nameable: Collection[str] | None = None,
+) -> Job:
+    """Plan the train command `argv` (["train", WORKLOAD, options...]) for the engines: the accelerator and
+    count (given, or the cheapest whole job of the catalog among the `nameable` slugs: those the engine can
+    ask for by name), and every figure the artifacts need."""
+    from gpuwise.cli.train import config_of
+    from gpuwise.train.engine import resolve_strategy
+    from gpuwise.workloads import build as build_workload
+
+    workload, options, params = parse_train(argv)
+    cfg = config_of(workload, params)
+    if gpus is not None and gpus < 1 or nodes is not None and nodes < 1:
+        raise GpuwiseError("--gpus and --nodes must be at least 1")
+    world = gpus or nodes or 1
+    candidates = _candidates(catalog, gpu)
+    if not gpu and nameable is not None:
+        candidates = [a for a in candidates if a.slug in nameable]
+    if gpu:
+        layout(candidates[0], world, nodes)  # a layout that cannot run is refused before the workload is built
+    if provider:
+        from gpuwise.plan.cost import check_provider
+
+        check_provider(catalog, provider)
+    cfg.devices, cfg.num_nodes = 1, 1  # built once here, on the CPU, to count the data and trace the model
+    cfg.accelerator = "cpu"
+    cfg.validate()
+    print(f"gpuwise: planning {workload}: building it here to count its data and trace one step", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="gpuwise-launch-") as tmp:
+        work = build_workload(cfg, Path(tmp))
+    defaults = {k: v for k, v in work.defaults.items() if getattr(cfg, k, None) is None}
+    cfg = replace(cfg, **{k: v for k, v in defaults.items() if hasattr(cfg, k)})
+    assert cfg.batch_size is not None  # the workload's defaults give it
+    if cfg.batch_size % world:
+        raise GpuwiseError(
+            f"the global batch {cfg.batch_size} must be divisible by the {world} processes (--batch-size)"
+        )
+    share = cfg.batch_size // world
+    per_epoch = work.train_size // cfg.batch_size
+    if per_epoch == 0:
+        raise GpuwiseError(f"--batch-size {cfg.batch_size} is larger than the {work.train_size} training samples")
+    steps = work.steps if work.steps is not None else cfg.max_steps or math.ceil((cfg.epochs or 1) * per_epoch)
+    strategy = resolve_strategy(cfg.strategy, world)
+    micro = min(share, cfg.micro_batch_size or share)
+    on_cpu = gpu == "cpu"
+    precision = _plan_precision(cfg.precision, candidates[0] if on_cpu else None)
+    memory, roof = _traced_step(work, micro, precision, world, strategy == "fsdp")
+    eff, eff_origin = (efficiency, "--efficiency") if efficiency else (EFFICIENCY.value, EFFICIENCY.origin)
+    accumulation = math.ceil(share / micro)
+
+    choices = []
+    for acc in candidates:
+        prec = precision if acc.peak_tflops(precision) else "fp16"
+        peak = acc.peak_tflops(prec)
+        if not peak:
+            continue
+        n_nodes, per_node = layout(acc, world, nodes)
+        step_s = accumulation * roof.seconds_on(peak * 1e12, acc.mem_bw_gbs * 1e9) / eff
+        wall = steps * step_s
+        hours = wall / 3600 * world
+        price = None if on_cpu else _price(catalog, acc, provider)
+        usd = hours * price["usd_per_gpu_hour"] if price else None
+        choices.append(
+            Choice(acc.slug if not on_cpu else "cpu", acc.name, world, n_nodes, per_node, memory, acc.mem_bytes,
+                   memory <= acc.mem_bytes, step_s, wall, hours, usd, price, prec)  # fmt: skip
+        )
+    if not choices:
+        raise GpuwiseError(f"no accelerator to plan on: {gpu} has no {precision} or fp16 peak in the catalog")
+    # The cheapest whole job first (gpuwise knows its length; a per-hour price alone does not), then the fastest.
+    choices.sort(key=lambda c: (not c.fits, c.usd is None, c.usd or 0.0, c.wall_s))
+    best = choices[0]
+    if not best.fits:
+        need, have = best.memory_bytes / 2**30, best.capacity_bytes / 2**30
+        raise GpuwiseError(
+            f"the plan does not fit {best.name}: {need:,.1f} GiB per process at micro-batch {micro}, "
+            f"{have:,.0f} GiB there; pass a smaller --micro-batch-size, --strategy fsdp over more --gpus, "
+            "or another --gpu"
+        )
+    alternatives = tuple(c for c in choices[1:TOP_CHOICES] if c.fits and c.nodes == best.nodes)
+    time_limit = int(math.ceil((best.wall_s * TIME_MARGIN.value + STARTUP_S.value) / 60) * 60)
+    cpus = cpus_per_node or (best.per_node * int(CPUS_PER_GPU.value) if not on_cpu else best.per_node)
+    host = mem_per_node_gib or math.ceil(HOST_MEMORY.value * best.per_node * memory / 2**30 + 8)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run = run_dir or params.get("run_dir")
+    run = str(Path(run).resolve()) if run else str(Path.cwd() / "runs" / f"{workload}-{stamp}")
+    if "--run-dir" in options:
+        i = options.index("--run-dir")
+        options = options[:i] + options[i + 2 :]
+    options = tuple(o for o in options if not o.startswith("--run-dir="))
+    name = f"gpuwise-{_dns(workload)}-{stamp}"
+    method = (
+        f"one training step of the run's own model at {micro} samples a process ({world} processes, {strategy}) on "
+        "fake tensors: torch MemTracker for memory, FlopCounter formulas and bytes per op priced by the roofline "
+        f"of each accelerator, / efficiency {eff:g}; {steps:,} steps x that step"
+        + (f" x {accumulation} micro-batches" if accumulation > 1 else "")
+        + "; collectives, data loading and evaluation not counted"
+    )
+    return Job(
+        workload,
+        options,
+        run,
+        name,
+        best,
+        alternatives,
+        strategy,
+        "cpu" if on_cpu else "cuda",
+        steps,
+        cfg.batch_size,
+        cpus,
+        host,
+        time_limit,
+        eff,
+        eff_origin,
+        method,
+    )
+
+
+def _plan_precision(requested: str, cpu: Accelerator | None) -> str:
+    """The planner's precision for `gpuwise train --precision`: auto is bf16 on GPUs (the train rule for
+    bf16 GPUs; older ones are priced at fp16), and on CPU nodes what train picks on this CPU."""
+    named = {"32-true": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16"}
+    if requested != "auto":
+        return named[requested]
+    if cpu is not None:
+        from gpuwise.train.engine import resolve_precision
+
+        return named[resolve_precision("auto", "cpu")]
+    return "bf16"
+
+
+def _dns(text: str) -> str:
+    """A DNS-1123 label piece (Kubernetes names, Slurm and Ray job names): lower-case letters, digits, '-'."""
+    import re
+
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:30] or "job"

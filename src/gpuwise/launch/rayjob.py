@@ -1,0 +1,125 @@
+"""Ray: a Ray job on an existing cluster, submitted through Ray's Jobs API.
+
+The job's driver (`gpuwise.launch.ray_nodes`) reserves one placement-group bundle per node (the node's
+GPUs and CPUs, spread over distinct nodes) and runs one torchrun in each, as on every other engine. The
+runtime_env carries gpuwise's code (py_modules) and the job's settings; the data paths in the train
+command must be readable on the cluster's nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from gpuwise.errors import GpuwiseError, first_line
+from gpuwise.launch.engines import RAY_NAME, STATE_TIMEOUT_S, Engine, Options, engine_name
+from gpuwise.launch.job import Job
+
+AGENT_WAIT_S = 60
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"  # `ray start --head`'s dashboard, where the Jobs API answers
+
+
+def address_of(opts: Options) -> str:
+    return opts.address or os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS
+
+
+def _client(address: str):
+    try:
+        from ray.job_submission import JobSubmissionClient
+    except ImportError:
+        raise GpuwiseError(
+            "--submit needs Ray's Jobs client: pip install 'ray[default]' (in gpuwise's environment)"
+        ) from None
+    try:
+        return JobSubmissionClient(address)
+    except Exception as e:  # noqa: BLE001 - no cluster there: Ray's ConnectionError, as one line
+        raise GpuwiseError(
+            f"no Ray cluster answers at {address}: {first_line(e)} (start one: ray start --head)"
+        ) from None
+
+
+class Ray(Engine):
+    name, suffix, client = "ray", ".ray-job.json", "ray"
+    install = "pip install 'ray[default]'"
+    names = RAY_NAME
+
+    def check(self, job: Job, opts: Options) -> None:
+        if job.accelerator == "cuda":
+            engine_name(RAY_NAME, job.choice.gpu, job.choice.name, "Ray",
+                        "its nodes carry no accelerator_type resource for it (ray.util.accelerators)")  # fmt: skip
+
+    def spec(self, job: Job, opts: Options) -> dict[str, Any]:
+        """The job as `JobSubmissionClient.submit_job` takes it (and `ray job submit` with these fields)."""
+        import gpuwise
+
+        c = job.choice
+        bundle: dict[str, float] = {"CPU": job.cpus_per_node}
+        if job.accelerator == "cuda":
+            bundle["GPU"] = c.per_node
+            bundle[f"accelerator_type:{RAY_NAME[c.gpu]}"] = 0.001  # Ray's label for the GPU model of a node
+        nodes = {
+            "nodes": c.nodes,
+            "bundle": bundle,
+            "threads": job.threads,
+            "script": job.node_script("$GPUWISE_PYTHON", "$GPUWISE_NODE_RANK", "$GPUWISE_HEAD", job.name),
+        }
+        return {
+            "submission_id": job.name,
+            "entrypoint": f"{opts.python} -m gpuwise.launch.ray_nodes",
+            "runtime_env": {
+                "py_modules": [str(Path(gpuwise.__file__).parent)],
+                "env_vars": {"GPUWISE_RAY_NODES": json.dumps(nodes)},
+            },
+            "entrypoint_num_cpus": 0,  # the driver only waits; the bundles hold the resources
+            "metadata": {"gpuwise_workload": job.workload, "gpuwise_run_dir": job.run_dir},
+        }
+
+    def render(self, job: Job, opts: Options) -> str:
+        return json.dumps(self.spec(job, opts), indent=2) + "\n"
+
+    def preflight(self, job: Job, opts: Options) -> None:
+        address = address_of(opts)
+        _client(address)
+        self._check_cluster(address, job)
+
+    def submit(self, artifact: Path, job: Job, opts: Options) -> str:
+        client = _client(address_of(opts))
+        spec = json.loads(artifact.read_text())
+        Path(job.run_dir).parent.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + AGENT_WAIT_S
+        while True:
+            try:
+                return str(client.submit_job(**spec))
+            except Exception as e:  # noqa: BLE001 - the Jobs API's refusal (a duplicate id, a bad runtime_env)
+                # A cluster just started has no job agent for a few seconds, and says to try again.
+                if "No available agent" in str(e) and time.monotonic() < deadline:
+                    time.sleep(1)
+                    continue
+                raise GpuwiseError(f"Ray refused the job: {first_line(e)}") from None
+
+    def _check_cluster(self, address: str, job: Job) -> None:
+        """A node shape the cluster does not have would leave the job pending for ever: refuse it now."""
+        from ray.util.state import list_nodes
+
+        try:
+            alive = [n for n in list_nodes(address=address, timeout=STATE_TIMEOUT_S, detail=True) if n.state == "ALIVE"]
+        except Exception as e:  # noqa: BLE001
+            raise GpuwiseError(f"cannot list the Ray cluster's nodes at {address}: {first_line(e)}") from None
+        want = json.loads(self.spec(job, Options())["runtime_env"]["env_vars"]["GPUWISE_RAY_NODES"])["bundle"]
+        fit = [n for n in alive if all((n.resources_total or {}).get(k, 0) >= v for k, v in want.items())]
+        if len(fit) < job.choice.nodes:
+            shown = ", ".join(str({k: v for k, v in (n.resources_total or {}).items() if k in want}) for n in alive)
+            raise GpuwiseError(
+                f"the Ray cluster at {address} has {len(fit)} of the {job.choice.nodes} nodes the job needs, each "
+                f"with {want} (its nodes: {shown or 'none alive'}); pass --gpus/--nodes/--cpus-per-node that fit"
+            )
+
+    def state(self, job_id: str, data: dict) -> str:
+        client = _client(data.get("address") or DEFAULT_ADDRESS)
+        try:
+            return str(client.get_job_status(job_id).value)
+        except Exception as e:  # noqa: BLE001
+            raise GpuwiseError(f"Ray: {first_line(e)}") from None

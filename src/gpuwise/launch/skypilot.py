@@ -1,0 +1,119 @@
+"""SkyPilot: a task YAML for `sky launch` (a cluster of its own, stopped when idle) or, with --managed,
+`sky jobs launch` (a managed job, recovered after a preemption, spot instances allowed).
+
+The resources list the plan's best accelerators as `ordered`: SkyPilot tries them in gpuwise's order, the
+cheapest whole job first. Under `any_of` its optimizer would rank them itself, by the hourly price of a
+job it assumes lasts one hour; gpuwise knows the job's length, and so its whole cost.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from gpuwise import __version__
+from gpuwise.errors import GpuwiseError
+from gpuwise.launch.engines import SKY_NAME, STATE_TIMEOUT_S, Engine, Options, dump_yaml, engine_name, run_client
+from gpuwise.launch.job import Job
+
+MOUNT = "/gpuwise-runs"  # where the bucket holding the run directories is mounted on every node
+RECOVERY_RESTARTS = 3  # a managed job restarted after this many failures of its own (not preemptions) stops
+
+
+def node_run_dir(job: Job) -> str:
+    return f"{MOUNT}/{Path(job.run_dir).name}"
+
+
+def source_tree() -> Path | None:
+    """The checkout gpuwise runs from, when it is installed from one (pip install -e): SkyPilot syncs it to
+    every node as the task's workdir."""
+    import gpuwise
+
+    root = Path(gpuwise.__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / "src" / "gpuwise").is_dir() else None
+
+
+def default_setup() -> str:
+    where = "-e ." if source_tree() else f'"gpuwise=={__version__}"'
+    return f'pip install "torch==2.13.0" && pip install {where}'
+
+
+class SkyPilot(Engine):
+    name, suffix, client = "skypilot", ".sky.yaml", "sky"
+    install = "pip install skypilot (in a venv of its own: it pins click and uvicorn), then `sky check`"
+    names = SKY_NAME
+
+    def check(self, job: Job, opts: Options) -> None:
+        if job.accelerator != "cuda":
+            raise GpuwiseError("SkyPilot rents GPU nodes: give --gpu (a CPU job runs here, or on Slurm, Ray, k8s)")
+        for c in (job.choice, *job.alternatives):
+            engine_name(SKY_NAME, c.gpu, c.name, "SkyPilot", "pass --gpu with one SkyPilot names (`sky show-gpus`)")
+        if opts.managed and not opts.bucket:
+            raise GpuwiseError(
+                "a managed job outlives its nodes: give --bucket NAME for the run directory, or it is lost with "
+                "them on a preemption"
+            )
+
+    def task(self, job: Job, opts: Options) -> dict:
+        choices = (job.choice, *job.alternatives)
+        accelerators = [{"accelerators": f"{SKY_NAME[c.gpu]}:{c.per_node}"} for c in choices]
+        # Two slugs may share a SkyPilot name (H100 SXM and PCIe): keep the first, in gpuwise's order.
+        accelerators = [a for i, a in enumerate(accelerators) if a not in accelerators[:i]]
+        resources: dict = {"ordered": accelerators} if len(accelerators) > 1 else dict(accelerators[0])
+        resources["use_spot"] = opts.spot
+        resources["disk_size"] = 256
+        if opts.managed:
+            resources["job_recovery"] = {"strategy": "FAILOVER", "max_restarts_on_errors": RECOVERY_RESTARTS}
+        else:
+            resources["autostop"] = opts.autostop_min  # idle minutes before the cluster stops (and stops billing)
+        run_dir = node_run_dir(job) if opts.bucket else job.run_dir
+        moved = job.moved(run_dir)
+        task: dict = {
+            "name": job.name,
+            "num_nodes": job.choice.nodes,
+            "resources": resources,
+            "envs": {"GPUWISE_RUN_DIR": run_dir, "OMP_NUM_THREADS": str(job.threads)},
+        }
+        tree = source_tree()
+        if tree is not None:
+            task["workdir"] = str(tree)
+        if opts.bucket:
+            task["file_mounts"] = {MOUNT: {"name": opts.bucket, "mode": "MOUNT"}}
+        task["setup"] = opts.setup or default_setup()
+        head = '$(echo "$SKYPILOT_NODE_IPS" | head -n1)'
+        task["run"] = moved.node_script(
+            "python", "$SKYPILOT_NODE_RANK", head, "$SKYPILOT_TASK_ID", "$SKYPILOT_NUM_NODES"
+        ).replace(f"--nproc-per-node={job.choice.per_node}", "--nproc-per-node=$SKYPILOT_NUM_GPUS_PER_NODE")
+        return task
+
+    def render(self, job: Job, opts: Options) -> str:
+        c = job.choice
+        head = (
+            f"# gpuwise {__version__}: {job.workload} on {c.nodes} x {c.per_node} {c.name}, planned "
+            f"{c.wall_s / 3600:,.2f} h, {f'${c.usd:.2f}' if c.usd is not None else 'no price'} for the job\n"
+            f"# {'sky jobs launch' if opts.managed else 'sky launch'} this file; the accelerators are tried in "
+            "order, the cheapest whole job first\n"
+        )
+        return head + dump_yaml([self.task(job, opts)])
+
+    def submit(self, artifact: Path, job: Job, opts: Options) -> str:
+        sky = self.need_client()
+        if opts.managed:
+            run_client([sky, "jobs", "launch", "-y", "-n", job.name, str(artifact)], "sky jobs launch")
+        else:
+            run_client([sky, "launch", "-y", "-c", job.name, str(artifact)], "sky launch", timeout=3600)
+        return job.name
+
+    def state(self, job_id: str, data: dict) -> str:
+        sky = self.need_client()
+        if data.get("managed"):
+            out = run_client([sky, "jobs", "queue"], "sky jobs queue", timeout=STATE_TIMEOUT_S)
+        else:
+            out = run_client([sky, "queue", job_id], "sky queue", timeout=STATE_TIMEOUT_S)
+        for line in out.splitlines():
+            if job_id in line or not data.get("managed"):
+                found = re.search(r"\b(PENDING|STARTING|RUNNING|RECOVERING|SUCCEEDED|FAILED\w*|CANCELL\w+)\b", line)
+                if found:
+                    return found.group(1)
+        return "UNKNOWN"
+

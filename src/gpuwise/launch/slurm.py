@@ -1,0 +1,104 @@
+"""Slurm: an sbatch script. One task per node runs torchrun, which starts that node's processes; gpuwise
+itself never runs as a Slurm task per GPU as well (Fabric's SLURM environment hangs or trains on one GPU
+when the two are mixed: Lightning #18504, #20391).
+
+Before the time limit Slurm sends USR1 to the batch shell (--signal=B:USR1@...). The shell has Slurm send
+TERM to the job's steps; torchrun hands it to the processes; gpuwise ends the step, writes a checkpoint
+and exits. The shell then requeues the job, and the requeued job resumes from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from gpuwise import __version__
+from gpuwise.errors import GpuwiseError
+from gpuwise.launch.engines import STATE_TIMEOUT_S, Engine, Options, run_client
+from gpuwise.launch.job import Job
+
+SIGNAL_AHEAD_S = 120  # time for the step to end and the checkpoint to be written before the limit
+
+
+def hms(seconds: int) -> str:
+    """sbatch --time as D-HH:MM:SS."""
+    d, rest = divmod(int(seconds), 86400)
+    h, rest = divmod(rest, 3600)
+    m, s = divmod(rest, 60)
+    return f"{d}-{h:02d}:{m:02d}:{s:02d}"
+
+
+class Slurm(Engine):
+    name, suffix, client = "slurm", ".sbatch", "sbatch"
+    install = "install Slurm's clients (Debian: apt-get install slurm-client) and point SLURM_CONF at your cluster"
+
+    def render(self, job: Job, opts: Options) -> str:
+        c = job.choice
+        run = Path(job.run_dir)
+        log = run.parent / f"{run.name}-slurm-%j.out"
+        gpus = f"{opts.gres_type}:{c.per_node}" if opts.gres_type else str(c.per_node)
+        lines = [
+            "#!/bin/bash",
+            f"# gpuwise {__version__}: {job.workload} on {c.nodes} x {c.per_node} {c.name}, planned "
+            f"{c.wall_s / 3600:,.2f} h of training (gpuwise launch slurm; figures in the launch record)",
+            f"#SBATCH --job-name={job.name}",
+            f"#SBATCH --nodes={c.nodes}",
+            "#SBATCH --ntasks-per-node=1",
+            *([f"#SBATCH --gpus-per-node={gpus}"] if job.accelerator == "cuda" else []),
+            f"#SBATCH --cpus-per-task={job.cpus_per_node}",
+            f"#SBATCH --mem={job.mem_per_node_gib}G",
+            f"#SBATCH --time={hms(job.time_limit_s)}",
+            "#SBATCH --requeue",
+            f"#SBATCH --signal=B:USR1@{SIGNAL_AHEAD_S}",
+            "#SBATCH --open-mode=append",
+            f"#SBATCH --output={log}",
+            *(f"#SBATCH --{k}={v}" for k, v in (("partition", opts.partition), ("account", opts.account),
+                                                 ("qos", opts.qos)) if v),  # fmt: skip
+            "",
+            "set -uo pipefail",
+            'HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+            "requeue=0",
+            "# USR1: the time limit is near. TERM to every step of the job (scancel without --batch), so torchrun on",
+            "# each node passes it to its processes: each ends its step, writes a checkpoint and stops. TERM sent to",
+            "# srun itself would kill the step at once. Then the job is requeued, and resumes from that checkpoint.",
+            "trap 'requeue=1; scancel --signal=TERM \"$SLURM_JOB_ID\"' USR1",
+            job.node_script(opts.python, "$SLURM_NODEID", "$HEAD", "$SLURM_JOB_ID", "$SLURM_JOB_NUM_NODES",
+                            launcher="srun --kill-on-bad-exit=1 ").rstrip("\n")  # fmt: skip
+            + " &",
+            "step=$!",
+            "while :; do",
+            '  wait "$step"; status=$?',
+            '  if [ "$status" -gt 128 ] && kill -0 "$step" 2>/dev/null; then continue; fi  # a trap cut it short',
+            "  break",
+            "done",
+            'if [ "$requeue" = 1 ]; then',
+            '  echo "gpuwise: the time limit is near: checkpoint written, requeueing job $SLURM_JOB_ID" >&2',
+            '  scontrol requeue "$SLURM_JOB_ID"  # Slurm ends this shell here',
+            "  exit 0",
+            "fi",
+            'exit "$status"',
+            "",
+        ]
+        return "\n".join(lines)
+
+    def preflight(self, job: Job, opts: Options) -> None:
+        """sbatch --test-only: Slurm checks the script against the cluster's partitions and nodes (a node
+        shape it does not have would pend for ever) and submits nothing."""
+        sbatch = self.need_client()
+        run_client([sbatch, "--test-only"], "Slurm cannot run the job", input=self.render(job, opts))
+
+    def submit(self, artifact: Path, job: Job, opts: Options) -> str:
+        sbatch = self.need_client()
+        Path(job.run_dir).parent.mkdir(parents=True, exist_ok=True)  # the log is written beside the run
+        out = run_client([sbatch, "--parsable", str(artifact)], "sbatch refused the job")
+        job_id = out.strip().split(";")[0]
+        if not re.fullmatch(r"\d+", job_id):
+            raise GpuwiseError(f"sbatch answered '{out.strip()[:80]}', not a job id")
+        return job_id
+
+    def state(self, job_id: str, data: dict) -> str:
+        # scontrol knows a job until MinJobAge after it ends; sacct, where accounting is kept, after that.
+        out = run_client(["scontrol", "-o", "show", "job", job_id], "scontrol", timeout=STATE_TIMEOUT_S)
+        found = re.search(r"JobState=(\S+)", out)
+        return found.group(1) if found else "UNKNOWN"
+
