@@ -84,6 +84,16 @@ def test_without_gpu_the_cheapest_whole_job_is_chosen_and_the_next_ones_are_fall
         assert other.usd is None or other.usd >= job.choice.usd * (1 - 1e-9)
 
 
+def test_the_planned_memory_is_what_a_run_measures(catalog, data, tmp_path, capsys):
+    """The launch plans as `gpuwise train` does before its first step; on CPU processes (no CUDA context to
+    add) it is held to what a run then measures, to 10 % (tests/test_plan_vs_actual.py's tolerance)."""
+    argv = train(data, "--precision", "32-true")
+    job = plan_job(argv, catalog, gpu="cpu", run_dir=str(tmp_path / "planned"))
+    assert main([*argv, "--accelerator", "cpu", "--run-dir", str(tmp_path / "run"), "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)["actual"]["peak_bytes"]
+    assert job.choice.memory_bytes == pytest.approx(measured, rel=0.10)
+
+
 # --- refusals: one line, nothing written, nothing submitted ----------------------------------------------------
 
 

@@ -191,6 +191,8 @@ def _record(engine: str, job_id: str, job, path: Path, opts) -> int | None:
 
 
 def _show(job, f: dict, given: bool) -> None:
+    from gpuwise.launch.job import duration
+
     c = job.choice
     title = f"plan: {job.workload}, {job.steps:,} steps"
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=title, title_justify="left")
@@ -202,9 +204,9 @@ def _show(job, f: dict, given: bool) -> None:
         ("accelerator", c.name, "--gpu" if given else "the cheapest whole job of the catalog"),
         ("GPUs per node x nodes", f"{c.per_node} x {c.nodes}", "--gpus/--nodes, or 1"),
         ("memory per GPU", f"{c.memory_bytes / 2**30:,.2f} of {c.capacity_bytes / 2**30:,.0f} GiB", job.method),
-        ("step time", _seconds(c.step_s), f"{c.precision}, efficiency {job.efficiency:g}: {job.efficiency_origin}"),
-        ("wall time", _seconds(c.wall_s), f"{job.steps:,} steps x the step time"),
-        ("time limit", _seconds(job.time_limit_s), f["sources"]["time_limit"]),
+        ("step time", duration(c.step_s), f"{c.precision}, efficiency {job.efficiency:g}: {job.efficiency_origin}"),
+        ("wall time", duration(c.wall_s), f"{job.steps:,} steps x the step time"),
+        ("time limit", duration(job.time_limit_s), f["sources"]["time_limit"]),
         ("GPU-hours", f"{c.gpu_hours:,.3f}", "wall time x GPUs"),
         (
             "cost",
@@ -219,15 +221,8 @@ def _show(job, f: dict, given: bool) -> None:
     ]
     for alt in job.alternatives:
         cost = f"${alt.usd:,.2f}" if alt.usd is not None else "no price"
-        rows.append(("fallback", alt.name, f"{_seconds(alt.wall_s)}, {cost}"))
+        rows.append(("fallback", alt.name, f"{duration(alt.wall_s)}, {cost}"))
     for r in rows:
         t.add_row(*r)
     console.print(t)
 
-
-def _seconds(s: float) -> str:
-    if s < 120:
-        return f"{s:.3g} s"
-    if s < 7200:
-        return f"{s / 60:,.1f} min"
-    return f"{s / 3600:,.2f} h"

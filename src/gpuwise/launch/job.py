@@ -1,9 +1,9 @@
 """A launched job: the train command it runs, the layout the plan chose, and the figures that plan rests on.
 
-The plan is the traced planner run on the job's own model: the workload is built as `gpuwise train` would
-build it (its data counted, its model made on the CPU), one training step of the per-process batch runs on
-fake tensors, and its operations are priced on every catalog accelerator by the roofline. Each engine's
-artifact is written from a `Job` and from nothing else.
+The plan is the one `gpuwise train` makes before its first step, made here for the job's layout: the
+workload is built as train builds it (its data counted, its model made on the CPU), one forward and backward
+on a few samples counts its FLOPs and the activations it saves, and every catalog accelerator is priced
+from those (dense peak x efficiency). Each engine's artifact is written from a `Job` and nothing else.
 """
 
 from __future__ import annotations
@@ -197,31 +197,46 @@ def parse_train(argv: list[str]) -> tuple[str, tuple[str, ...], dict]:
     return params["workload"], tuple(options), params
 
 
-def _traced_step(work, share: int, precision: str, world: int, fsdp: bool):
-    """Memory per process and the Roofline counter of one step of the run's own model at `share` samples."""
-    import contextlib
-    import copy
+def _probe(work, cfg, micro: int, precision: str, world: int, fsdp: bool, gpu: bool) -> tuple[int, float, str]:
+    """Planned peak bytes a process (tensors, plus the CUDA context and allocator slack) and FLOPs a sample: what
+    `gpuwise train` plans before its first step (train/setup.py fit_and_plan), from one real forward and backward
+    on a few samples here, under the planned precision's autocast."""
+    import torch
 
-    from gpuwise.plan.traced import Roofline, fake_process_group, traced_step
+    from gpuwise.train import measure
+    from gpuwise.train.setup import analytic_plan
 
-    roof = Roofline(1.0, 1.0)  # re-priced per accelerator (Roofline.seconds_on)
-    batch = work.make_batch(list(range(share)), 0)
-
-    def build():
-        fake = copy.deepcopy(work.model)  # under FakeTensorMode: the weights become fake tensors
-        return fake, lambda: work.loss(fake, batch)
-
+    n = min(micro, 4)
+    batch = work.make_batch(list(range(n)), 0)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     try:
-        with fake_process_group(world) if fsdp else contextlib.nullcontext() as mesh:
-            memory = traced_step(build, precision, mesh, roof)
-    except GpuwiseError:
-        raise
+        with torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
+            flops, saved = measure.probe_step(work.model, work.loss, batch)
     except Exception as e:  # noqa: BLE001 - a user's model: its failure as one line
         from gpuwise.errors import first_line
 
-        raise GpuwiseError(f"planning the job failed: one step on fake tensors raised {first_line(e)}") from None
-    tensors = memory.pop("tensors") or sum(memory.values())
-    return int(tensors + OVERHEAD_BYTES.value + ALLOCATOR_SLACK.value * tensors), roof
+        raise GpuwiseError(f"planning the job failed: one step of {n} samples here raised {first_line(e)}") from None
+    states = measure.state_bytes(work.model)
+    tensors = states + saved / n * micro
+    method = f"model states + activations saved for backward, counted on one step of {n} samples here"
+    if work.model_spec is not None:
+        fabric_precision = {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(precision, "32-true")
+        tensors = analytic_plan(work, cfg, micro, fabric_precision, work.model)["peak_bytes"]
+        method = "this model's states + gpuwise plan's analytic activations"
+    else:  # as train plans a model the formulas do not cover: one step of micro-batch size on fake tensors
+        from gpuwise.plan.traced import traced_run_memory
+
+        try:
+            tensors = traced_run_memory(work.model, work.loss, work.make_batch(list(range(micro)), 0), precision, "cpu")
+            method = f"one step of {micro} samples traced on fake tensors"
+        except Exception:  # noqa: BLE001 - an op with no fake-tensor kernel: the saved-activation count stands
+            pass
+    if fsdp:  # weights, gradients and AdamW moments sharded over the processes; activations are not
+        tensors = tensors - states + states / world
+        method += f", states sharded over {world} (FSDP)"
+    if not gpu:  # a CPU process has no CUDA context nor caching allocator: its tensors, as train plans them
+        return int(tensors), flops / n, method
+    return int(tensors + OVERHEAD_BYTES.value + ALLOCATOR_SLACK.value * tensors), flops / n, method
 
 
 def _candidates(catalog: Catalog, gpu: str | None) -> list[Accelerator]:
@@ -300,7 +315,7 @@ def plan_job(
     cfg.devices, cfg.num_nodes = 1, 1  # built once here, on the CPU, to count the data and trace the model
     cfg.accelerator = "cpu"
     cfg.validate()
-    print(f"gpuwise: planning {workload}: building it here to count its data and trace one step", file=sys.stderr)
+    print(f"gpuwise: planning {workload}: building it here to count its data and time one step", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="gpuwise-launch-") as tmp:
         work = build_workload(cfg, Path(tmp))
     defaults = {k: v for k, v in work.defaults.items() if getattr(cfg, k, None) is None}
@@ -319,9 +334,9 @@ def plan_job(
     micro = min(share, cfg.micro_batch_size or share)
     on_cpu = gpu == "cpu"
     precision = _plan_precision(cfg.precision, candidates[0] if on_cpu else None)
-    memory, roof = _traced_step(work, micro, precision, world, strategy == "fsdp")
+    fsdp = strategy == "fsdp"
+    memory, flops_per_sample, memory_method = _probe(work, cfg, micro, precision, world, fsdp, not on_cpu)
     eff, eff_origin = (efficiency, "--efficiency") if efficiency else (EFFICIENCY.value, EFFICIENCY.origin)
-    accumulation = math.ceil(share / micro)
 
     choices = []
     for acc in candidates:
@@ -330,7 +345,7 @@ def plan_job(
         if not peak:
             continue
         n_nodes, per_node = layout(acc, world, nodes)
-        step_s = accumulation * roof.seconds_on(peak * 1e12, acc.mem_bw_gbs * 1e9) / eff
+        step_s = flops_per_sample * share / (peak * 1e12 * eff)
         wall = steps * step_s
         hours = wall / 3600 * world
         price = None if on_cpu else _price(catalog, acc, provider)
@@ -363,12 +378,12 @@ def plan_job(
         options = options[:i] + options[i + 2 :]
     options = tuple(o for o in options if not o.startswith("--run-dir="))
     name = f"gpuwise-{_dns(workload)}-{stamp}"
+    extra = "" if on_cpu else f", + {OVERHEAD_BYTES.value / 2**30:g} GiB CUDA context, {ALLOCATOR_SLACK.value:.0%} more"
     method = (
-        f"one training step of the run's own model at {micro} samples a process ({world} processes, {strategy}) on "
-        "fake tensors: torch MemTracker for memory, FlopCounter formulas and bytes per op priced by the roofline "
-        f"of each accelerator, / efficiency {eff:g}; {steps:,} steps x that step"
-        + (f" x {accumulation} micro-batches" if accumulation > 1 else "")
-        + "; collectives, data loading and evaluation not counted"
+        f"memory: {memory_method}, at micro-batch {micro} ({world} processes, {strategy}){extra}; "
+        f"time: {steps:,} steps x FLOPs of {share} samples (torch FlopCounterMode) / (dense peak x efficiency), "
+        "as `gpuwise train` projects a run; memory-bound operations, collectives, data loading and evaluation "
+        "not counted"
     )
     return Job(
         workload,
@@ -408,3 +423,12 @@ def _dns(text: str) -> str:
     import re
 
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:30] or "job"
+
+
+def duration(seconds: float | None) -> str:
+    """A planned or measured time as people read it: 3.2e-05 s, 42.1 s, 18.5 min, 3.25 h."""
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    return f"{seconds / 60:,.1f} min" if seconds < 7200 else f"{seconds / 3600:,.2f} h"

@@ -14,7 +14,7 @@ from pathlib import Path
 from gpuwise import __version__
 from gpuwise.errors import GpuwiseError
 from gpuwise.launch.engines import K8S_PRODUCT, STATE_TIMEOUT_S, Engine, Options, dump_yaml, engine_name, run_client
-from gpuwise.launch.job import RDZV_PORT, Job
+from gpuwise.launch.job import RDZV_PORT, Job, duration
 
 MOUNT = "/gpuwise-runs"
 RETRIES = 3  # pods replaced after a failure (each resumes the run), then the Job fails
@@ -119,7 +119,7 @@ class Kubernetes(Engine):
         c = job.choice
         head = (
             f"# gpuwise {__version__}: {job.workload} on {c.nodes} x {c.per_node} {c.name}, planned "
-            f"{c.wall_s / 3600:,.2f} h; kubectl apply -f this file\n"
+            f"{duration(c.wall_s)}; kubectl apply -f this file\n"
         )
         return head + dump_yaml(self.manifests(job, opts))
 

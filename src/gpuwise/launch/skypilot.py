@@ -14,7 +14,7 @@ from pathlib import Path
 from gpuwise import __version__
 from gpuwise.errors import GpuwiseError
 from gpuwise.launch.engines import SKY_NAME, STATE_TIMEOUT_S, Engine, Options, dump_yaml, engine_name, run_client
-from gpuwise.launch.job import Job
+from gpuwise.launch.job import Job, duration
 
 MOUNT = "/gpuwise-runs"  # where the bucket holding the run directories is mounted on every node
 RECOVERY_RESTARTS = 3  # a managed job restarted after this many failures of its own (not preemptions) stops
@@ -90,7 +90,7 @@ class SkyPilot(Engine):
         c = job.choice
         head = (
             f"# gpuwise {__version__}: {job.workload} on {c.nodes} x {c.per_node} {c.name}, planned "
-            f"{c.wall_s / 3600:,.2f} h, {f'${c.usd:.2f}' if c.usd is not None else 'no price'} for the job\n"
+            f"{duration(c.wall_s)}, {f'${c.usd:.2f}' if c.usd is not None else 'no price'} for the job\n"
             f"# {'sky jobs launch' if opts.managed else 'sky launch'} this file; the accelerators are tried in "
             "order, the cheapest whole job first\n"
         )

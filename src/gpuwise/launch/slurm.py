@@ -15,7 +15,7 @@ from pathlib import Path
 from gpuwise import __version__
 from gpuwise.errors import GpuwiseError
 from gpuwise.launch.engines import STATE_TIMEOUT_S, Engine, Options, run_client
-from gpuwise.launch.job import Job
+from gpuwise.launch.job import Job, duration
 
 SIGNAL_AHEAD_S = 120  # time for the step to end and the checkpoint to be written before the limit
 
@@ -40,7 +40,7 @@ class Slurm(Engine):
         lines = [
             "#!/bin/bash",
             f"# gpuwise {__version__}: {job.workload} on {c.nodes} x {c.per_node} {c.name}, planned "
-            f"{c.wall_s / 3600:,.2f} h of training (gpuwise launch slurm; figures in the launch record)",
+            f"{duration(c.wall_s)} of training (gpuwise launch slurm; figures in the launch record)",
             f"#SBATCH --job-name={job.name}",
             f"#SBATCH --nodes={c.nodes}",
             "#SBATCH --ntasks-per-node=1",

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwise.errors import GpuwiseError
+from gpuwise.launch.job import duration
 from gpuwise.results import LaunchRecord, TrainSummary
 
 
@@ -56,13 +57,10 @@ def headline(record: LaunchRecord) -> str:
     line = f"{record.engine} job {record.job_id}: {s['state']}"
     if "summary" in s:
         wall, step, _ = s["planned_vs_actual"].values()
-        line += f"; {s['summary']['steps']} steps, wall {_s(wall[1])} (planned {_s(wall[0])})"
-        line += f", step {_s(step[1])} (planned {_s(step[0])})"
+        line += f"; {s['summary']['steps']} steps, wall {duration(wall[1])} (planned {duration(wall[0])})"
+        line += f", step {duration(step[1])} (planned {duration(step[0])})"
     else:
         plan = record.plan
-        line += f"; planned {_s(plan.get('wall_s'))} on {plan.get('gpus_per_node')} x {plan.get('nodes')}"
+        line += f"; planned {duration(plan.get('wall_s'))} on {plan.get('gpus_per_node')} x {plan.get('nodes')}"
     return line
 
-
-def _s(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g} s" if x < 120 else f"{x / 60:,.1f} min" if x < 7200 else f"{x / 3600:,.2f} h"
