@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/llm_serve_load.py
 	$(BIN)/python benchmarks/llm_fairness.py
 	$(BIN)/python benchmarks/engine_step.py
+	$(BIN)/python benchmarks/launch_overhead.py
 	$(BIN)/python benchmarks/decode_attention.py
 	$(BIN)/python benchmarks/traced_vs_measured.py
 	$(BIN)/python benchmarks/serve_load.py

@@ -6,9 +6,11 @@ Run: .venv/bin/python benchmarks/launch_overhead.py [--steps 200] [--rounds 3] [
 Both run here on CPU processes (gloo), alternating (torchrun, Ray, torchrun, Ray, ...) so that the machine's
 load falls on both alike. Printed per engine:
 - cluster start: `ray start --head` until it answers (torchrun has none), once;
-- start-up: end to end minus the run's own training wall time (summary.json): process start, imports, data,
-  model, rendezvous, evaluation and saving, and for Ray the job's submission, runtime_env upload and the
-  placement group;
+- gpuwise launch: the `gpuwise launch ray --submit` command itself (the plan: the workload built and one
+  step timed here; the cluster checked; the job submitted);
+- start-up: from the job's start (torchrun's launch; Ray's accepted submission) to its end, minus the run's
+  own training wall time (summary.json): process start, imports, data, model, rendezvous, evaluation and
+  saving, and for Ray the job driver, the runtime_env upload and the placement group;
 - per step: the median training step, from the run's summary;
 - end to end: launch (or submit) to the job's end.
 """
@@ -66,18 +68,19 @@ def ray_job(args, where: Path, n: int, address: str) -> dict:
                            "--address", address, "--json", "--", *job(args, run)],
                           capture_output=True, text=True, cwd=where)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+    submitted = time.perf_counter()
     job_id = json.loads(done.stdout)["job_id"]
     client = JobSubmissionClient(address)
     while (state := client.get_job_status(job_id).value) not in ("SUCCEEDED", "FAILED", "STOPPED"):
         time.sleep(0.2)
-    total = time.perf_counter() - t0
+    end = time.perf_counter()
     assert state == "SUCCEEDED", client.get_job_logs(job_id)[-2000:]
-    return measured(run, total)
+    return measured(run, end - submitted) | {"launch": submitted - t0, "total": end - t0}
 
 
-def measured(run: Path, total: float) -> dict:
+def measured(run: Path, job_s: float) -> dict:
     s = summary(run)
-    return {"total": total, "startup": total - s["wall_s"], "step": s["actual"]["step_time_s"]}
+    return {"launch": 0.0, "total": job_s, "startup": job_s - s["wall_s"], "step": s["actual"]["step_time_s"]}
 
 
 def main() -> None:
@@ -110,15 +113,19 @@ def main() -> None:
             for n in range(args.rounds):
                 rows["torchrun"].append(torchrun(args, where, n))
                 rows["ray"].append(ray_job(args, where, n, address))
-                print(f"round {n + 1}: torchrun {rows['torchrun'][-1]['total']:.1f} s, ray {rows['ray'][-1]['total']:.1f} s")
+                t, r = rows["torchrun"][-1]["total"], rows["ray"][-1]["total"]
+                print(f"round {n + 1}: torchrun {t:.1f} s, ray {r:.1f} s")
     finally:
         subprocess.run([str(BIN / "ray"), "stop", "--force"], capture_output=True)
-    med = {k: {m: statistics.median(r[m] for r in v) for m in ("total", "startup", "step")} for k, v in rows.items()}
+    keys = ("launch", "total", "startup", "step")
+    med = {k: {m: statistics.median(r[m] for r in v) for m in keys} for k, v in rows.items()}
     print(f"\nmedians of {args.rounds} rounds")
-    print(f"{'engine':10} {'cluster start':>14} {'start-up':>10} {'per step':>10} {'end to end':>11}")
+    head = ("engine", "cluster start", "gpuwise launch", "start-up", "per step", "end to end")
+    print("{:10} {:>14} {:>15} {:>10} {:>10} {:>11}".format(*head))
     for name, m in med.items():
-        cluster = f"{cluster_s:.1f} s" if name == "ray" else "-"
-        print(f"{name:10} {cluster:>14} {m['startup']:>8.1f} s {m['step'] * 1e3:>7.2f} ms {m['total']:>9.1f} s")
+        cluster, launch = (f"{cluster_s:.1f} s", f"{m['launch']:.1f} s") if name == "ray" else ("-", "-")
+        print(f"{name:10} {cluster:>14} {launch:>15} {m['startup']:>8.1f} s {m['step'] * 1e3:>7.2f} ms "
+              f"{m['total']:>9.1f} s")  # fmt: skip
     t, r = med["torchrun"], med["ray"]
     print(f"ray / torchrun: start-up {r['startup'] / t['startup']:.2f}x (+{r['startup'] - t['startup']:.1f} s), "
           f"per step {r['step'] / t['step']:.3f}x, end to end {r['total'] / t['total']:.2f}x")  # fmt: skip

@@ -219,6 +219,10 @@ def test_skypilot_loads_the_task_and_its_resources_match_the_plan(catalog, data,
         assert f"${var}" in task["run"]
     assert "set -- train --resume /gpuwise-runs/run" in task["run"]  # a recovered job continues its run
     assert "pip install" in task["setup"]
+    # The local data file travels with the task: SkyPilot copies it to the nodes, where the command reads it.
+    copied = {there: here for there, here in task["file_mounts"].items()}
+    assert list(copied.values()) == [str(data)]
+    assert f"--data {next(iter(copied))}" in task["run"]
 
 
 def test_the_slurm_script_runs_one_torchrun_per_node_and_requeues_on_the_signal(catalog, data, tmp_path):

@@ -139,6 +139,11 @@ def launch(
                 f"({planned.choice.price and planned.choice.price['provider']}), over --max-cost ${max_cost:,.2f}"
             )
     chosen.check(planned, opts)
+    if chosen.name == "k8s":
+        for i, arg in enumerate(planned.train_args[:-1]):
+            if arg in ("--data", "--init-from", "--base") and Path(planned.train_args[i + 1]).exists():
+                print(f"gpuwise: warning: {arg} {planned.train_args[i + 1]} is a path on this machine; the pods read "
+                      "it in their image or volume: put it there, under the same path", file=sys.stderr)  # fmt: skip
     if submit:
         chosen.preflight(planned, opts)
     text = chosen.render(planned, opts)

@@ -104,26 +104,10 @@ class Job:
     def node_script(
         self, python: str, node_rank: str, head: str, rdzv_id: str, nodes: str | None = None, launcher: str = ""
     ) -> str:
-        """The shell every node runs: one torchrun, which starts this node's processes. A run directory that
-        already holds config.yaml is resumed from its newest checkpoint (a requeued, restarted or recovered
-        job); no node can see one before all have joined, since gpuwise writes it after the rendezvous."""
-        fresh = shlex.join(self.train_command())
-        if self.choice.nodes == 1:
-            layout = f"--standalone --nproc-per-node={self.choice.per_node}"
-        else:
-            layout = (
-                f"--nnodes={nodes or self.choice.nodes} --nproc-per-node={self.choice.per_node} "
-                f"--node-rank={node_rank} --rdzv-backend=c10d --rdzv-endpoint={head}:{RDZV_PORT} --rdzv-id={rdzv_id}"
-            )
-        run = shlex.quote(self.run_dir)
-        return (
-            f"if [ -f {run}/config.yaml ]; then\n"
-            f"  set -- train --resume {run}\n"
-            f"else\n"
-            f"  set -- {fresh}\n"
-            f"fi\n"
-            f"{launcher}{python} -m torch.distributed.run {layout} -m gpuwise \"$@\"\n"
-        )
+        """The shell every node of this job runs (see `node_script`)."""
+        c = self.choice
+        return node_script(self.train_command(), c.nodes, c.per_node, python, node_rank, head, rdzv_id,
+                           nodes, launcher)  # fmt: skip
 
     def figures(self) -> dict[str, Any]:
         """What `gpuwise launch` prints beside the artifact, and records."""
@@ -163,6 +147,39 @@ class Job:
     def moved(self, run_dir: str) -> Job:
         """The same job with its run directory where the nodes see it (a bucket or volume mount)."""
         return replace(self, run_dir=run_dir)
+
+
+def node_script(
+    fresh: list[str],
+    nodes: int,
+    per_node: int,
+    python: str,
+    node_rank: str,
+    head: str,
+    rdzv_id: str,
+    nodes_expr: str | None = None,
+    launcher: str = "",
+) -> str:
+    """The shell a node runs: one torchrun, which starts the node's `per_node` processes of `fresh` (a
+    `gpuwise train` command with its --run-dir). A run directory that already holds config.yaml is resumed
+    from its newest checkpoint (a requeued, restarted or recovered job); no node can see one before all
+    have joined, since gpuwise writes it after the rendezvous."""
+    run = shlex.quote(fresh[fresh.index("--run-dir") + 1])
+    if nodes == 1:
+        layout = f"--standalone --nproc-per-node={per_node}"
+    else:
+        layout = (
+            f"--nnodes={nodes_expr or nodes} --nproc-per-node={per_node} --node-rank={node_rank} "
+            f"--rdzv-backend=c10d --rdzv-endpoint={head}:{RDZV_PORT} --rdzv-id={rdzv_id}"
+        )
+    return (
+        f"if [ -f {run}/config.yaml ]; then\n"
+        f"  set -- train --resume {run}\n"
+        f"else\n"
+        f"  set -- {shlex.join(fresh)}\n"
+        f"fi\n"
+        f'{launcher}{python} -m torch.distributed.run {layout} -m gpuwise "$@"\n'
+    )
 
 
 def parse_train(argv: list[str]) -> tuple[str, tuple[str, ...], dict]:

@@ -2,14 +2,15 @@
 
 The job's driver (`gpuwise.launch.ray_nodes`) reserves one placement-group bundle per node (the node's
 GPUs and CPUs, spread over distinct nodes) and runs one torchrun in each, as on every other engine. The
-runtime_env carries gpuwise's code (py_modules) and the job's settings; the data paths in the train
-command must be readable on the cluster's nodes.
+runtime_env carries gpuwise's code (py_modules); the data paths in the train command must be readable
+on the cluster's nodes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -56,23 +57,15 @@ class Ray(Engine):
         import gpuwise
 
         c = job.choice
-        bundle: dict[str, float] = {"CPU": job.cpus_per_node}
+        layout = ["--nodes", str(c.nodes), "--per-node", str(c.per_node), "--cpus", str(job.cpus_per_node),
+                  "--threads", str(job.threads), "--job-id", job.name]  # fmt: skip
         if job.accelerator == "cuda":
-            bundle["GPU"] = c.per_node
-            bundle[f"accelerator_type:{RAY_NAME[c.gpu]}"] = 0.001  # Ray's label for the GPU model of a node
-        nodes = {
-            "nodes": c.nodes,
-            "bundle": bundle,
-            "threads": job.threads,
-            "script": job.node_script("$GPUWISE_PYTHON", "$GPUWISE_NODE_RANK", "$GPUWISE_HEAD", job.name),
-        }
+            layout += ["--gpus", str(c.per_node), "--accelerator-type", RAY_NAME[c.gpu]]
         return {
             "submission_id": job.name,
-            "entrypoint": f"{opts.python} -m gpuwise.launch.ray_nodes",
-            "runtime_env": {
-                "py_modules": [str(Path(gpuwise.__file__).parent)],
-                "env_vars": {"GPUWISE_RAY_NODES": json.dumps(nodes)},
-            },
+            "entrypoint": shlex.join([opts.python, "-m", "gpuwise.launch.ray_nodes", *layout, "--",
+                                      *job.train_command()]),  # fmt: skip
+            "runtime_env": {"py_modules": [str(Path(gpuwise.__file__).parent)]},
             "entrypoint_num_cpus": 0,  # the driver only waits; the bundles hold the resources
             "metadata": {"gpuwise_workload": job.workload, "gpuwise_run_dir": job.run_dir},
         }
@@ -108,7 +101,11 @@ class Ray(Engine):
             alive = [n for n in list_nodes(address=address, timeout=STATE_TIMEOUT_S, detail=True) if n.state == "ALIVE"]
         except Exception as e:  # noqa: BLE001
             raise GpuwiseError(f"cannot list the Ray cluster's nodes at {address}: {first_line(e)}") from None
-        want = json.loads(self.spec(job, Options())["runtime_env"]["env_vars"]["GPUWISE_RAY_NODES"])["bundle"]
+        from gpuwise.launch.ray_nodes import bundle_of
+
+        c = job.choice
+        want = bundle_of(job.cpus_per_node, c.per_node if job.accelerator == "cuda" else 0,
+                         RAY_NAME.get(c.gpu) if job.accelerator == "cuda" else None)  # fmt: skip
         fit = [n for n in alive if all((n.resources_total or {}).get(k, 0) >= v for k, v in want.items())]
         if len(fit) < job.choice.nodes:
             shown = ", ".join(str({k: v for k, v in (n.resources_total or {}).items() if k in want}) for n in alive)

@@ -17,11 +17,28 @@ from gpuwise.launch.engines import SKY_NAME, STATE_TIMEOUT_S, Engine, Options, d
 from gpuwise.launch.job import Job, duration
 
 MOUNT = "/gpuwise-runs"  # where the bucket holding the run directories is mounted on every node
+INPUTS = "/gpuwise-inputs"  # where the local files the train command names are copied on every node
+LOCAL_PATHS = ("--data", "--init-from", "--base")  # train options that may name a file or folder here
 RECOVERY_RESTARTS = 3  # a managed job restarted after this many failures of its own (not preemptions) stops
 
 
 def node_run_dir(job: Job) -> str:
     return f"{MOUNT}/{Path(job.run_dir).name}"
+
+
+def carried(job: Job) -> tuple[Job, dict[str, str]]:
+    """The job with each local file or folder its train command names (--data, --init-from, a --base
+    directory) moved to where SkyPilot copies it on the nodes, and those copies (node path -> local path)."""
+    from dataclasses import replace
+
+    args, mounts = list(job.train_args), dict[str, str]()
+    for i, arg in enumerate(args[:-1]):
+        if arg in LOCAL_PATHS and Path(args[i + 1]).exists():
+            local = Path(args[i + 1]).resolve()
+            there = f"{INPUTS}/{len(mounts)}-{local.name}"
+            mounts[there] = str(local)
+            args[i + 1] = there
+    return replace(job, train_args=tuple(args)), mounts
 
 
 def source_tree() -> Path | None:
@@ -67,7 +84,7 @@ class SkyPilot(Engine):
         else:
             resources["autostop"] = opts.autostop_min  # idle minutes before the cluster stops (and stops billing)
         run_dir = node_run_dir(job) if opts.bucket else job.run_dir
-        moved = job.moved(run_dir)
+        moved, inputs = carried(job.moved(run_dir))
         task: dict = {
             "name": job.name,
             "num_nodes": job.choice.nodes,
@@ -77,8 +94,11 @@ class SkyPilot(Engine):
         tree = source_tree()
         if tree is not None:
             task["workdir"] = str(tree)
+        mounts: dict = dict(inputs)  # SkyPilot copies each local path to its place on every node
         if opts.bucket:
-            task["file_mounts"] = {MOUNT: {"name": opts.bucket, "mode": "MOUNT"}}
+            mounts[MOUNT] = {"name": opts.bucket, "mode": "MOUNT"}
+        if mounts:
+            task["file_mounts"] = mounts
         task["setup"] = opts.setup or default_setup()
         head = '$(echo "$SKYPILOT_NODE_IPS" | head -n1)'
         task["run"] = moved.node_script(
