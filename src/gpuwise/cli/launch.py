@@ -89,7 +89,7 @@ def launch(
     """Write a planned training job as an engine runs it (an sbatch script, a Ray job, a SkyPilot task,
     Kubernetes manifests), with the plan's figures beside it; --submit hands it to the engine."""
     from gpuwise.launch.engines import Options, engines
-    from gpuwise.launch.job import plan_job
+    from gpuwise.launch.job import dollars, plan_job
 
     if spot and not managed:
         raise GpuwiseError("--spot needs --managed: an unmanaged spot cluster is not recovered after a preemption")
@@ -135,8 +135,8 @@ def launch(
             raise GpuwiseError(f"--max-cost: no cloud price is known for {planned.choice.name} (see gpuwise hardware)")
         if cost > max_cost:
             raise GpuwiseError(
-                f"the plan costs ${cost:,.2f} on {planned.choice.gpus} x {planned.choice.name} "
-                f"({planned.choice.price and planned.choice.price['provider']}), over --max-cost ${max_cost:,.2f}"
+                f"the plan costs {dollars(cost)} on {planned.choice.gpus} x {planned.choice.name} "
+                f"({planned.choice.price and planned.choice.price['provider']}), over --max-cost {dollars(max_cost)}"
             )
     chosen.check(planned, opts)
     if chosen.name == "k8s":
@@ -196,7 +196,7 @@ def _record(engine: str, job_id: str, job, path: Path, opts) -> int | None:
 
 
 def _show(job, f: dict, given: bool) -> None:
-    from gpuwise.launch.job import duration
+    from gpuwise.launch.job import dollars, duration
 
     c = job.choice
     title = f"plan: {job.workload}, {job.steps:,} steps"
@@ -215,7 +215,7 @@ def _show(job, f: dict, given: bool) -> None:
         ("GPU-hours", f"{c.gpu_hours:,.3f}", "wall time x GPUs"),
         (
             "cost",
-            f"${c.usd:,.2f}" if c.usd is not None else "-",
+            dollars(c.usd) if c.usd is not None else "-",
             f"{price['provider']} {price['kind']}, ${price['usd_per_gpu_hour']:.2f}/GPU-h as of {price['as_of']}: "
             f"{price['source']}"
             if price
@@ -225,8 +225,7 @@ def _show(job, f: dict, given: bool) -> None:
          f"{f['sources']['cpus']}; {f['sources']['host_memory']}"),  # fmt: skip
     ]
     for alt in job.alternatives:
-        cost = f"${alt.usd:,.2f}" if alt.usd is not None else "no price"
-        rows.append(("fallback", alt.name, f"{duration(alt.wall_s)}, {cost}"))
+        rows.append(("fallback", alt.name, f"{duration(alt.wall_s)}, {dollars(alt.usd)}"))
     for r in rows:
         t.add_row(*r)
     console.print(t)

@@ -397,7 +397,7 @@ def plan_job(
     name = f"gpuwise-{_dns(workload)}-{stamp}"
     extra = "" if on_cpu else f", + {OVERHEAD_BYTES.value / 2**30:g} GiB CUDA context, {ALLOCATOR_SLACK.value:.0%} more"
     method = (
-        f"memory: {memory_method}, at micro-batch {micro} ({world} processes, {strategy}){extra}; "
+        f"memory: {memory_method}, at micro-batch {micro} ({world} process{'es' * (world > 1)}, {strategy}){extra}; "
         f"time: {steps:,} steps x FLOPs of {share} samples (torch FlopCounterMode) / (dense peak x efficiency), "
         "as `gpuwise train` projects a run; memory-bound operations, collectives, data loading and evaluation "
         "not counted"
@@ -449,3 +449,10 @@ def duration(seconds: float | None) -> str:
     if seconds < 120:
         return f"{seconds:.3g} s"
     return f"{seconds / 60:,.1f} min" if seconds < 7200 else f"{seconds / 3600:,.2f} h"
+
+
+def dollars(usd: float | None) -> str:
+    """A cost as people read it; a job of cents or less keeps two significant digits instead of $0.00."""
+    if usd is None:
+        return "no price"
+    return f"${usd:,.2f}" if usd >= 0.01 or usd == 0 else f"${usd:.2g}"

@@ -14,7 +14,7 @@ from pathlib import Path
 from gpuwise import __version__
 from gpuwise.errors import GpuwiseError
 from gpuwise.launch.engines import SKY_NAME, STATE_TIMEOUT_S, Engine, Options, dump_yaml, engine_name, run_client
-from gpuwise.launch.job import Job, duration
+from gpuwise.launch.job import Job, dollars, duration
 
 MOUNT = "/gpuwise-runs"  # where the bucket holding the run directories is mounted on every node
 INPUTS = "/gpuwise-inputs"  # where the local files the train command names are copied on every node
@@ -110,7 +110,7 @@ class SkyPilot(Engine):
         c = job.choice
         head = (
             f"# gpuwise {__version__}: {job.workload} on {c.nodes} x {c.per_node} {c.name}, planned "
-            f"{duration(c.wall_s)}, {f'${c.usd:.2f}' if c.usd is not None else 'no price'} for the job\n"
+            f"{duration(c.wall_s)}, {dollars(c.usd)} for the job\n"
             f"# {'sky jobs launch' if opts.managed else 'sky launch'} this file; the accelerators are tried in "
             "order, the cheapest whole job first\n"
         )
