@@ -48,9 +48,13 @@ class Engine(ABC):
     client: str  # the program --submit runs
     install: str  # how to get it, for the refusal when it is missing
     names: dict[str, str] | None = None  # catalog slug -> the engine's name for it; None: any GPU (Slurm)
+    title = ""  # the engine's name in messages
+    name_hint = ""  # what to do when it cannot name a GPU
 
-    def check(self, job: Job, opts: Options) -> None:  # noqa: B027 - most engines refuse nothing more
+    def check(self, job: Job, opts: Options) -> None:
         """Refuse, before anything is written or submitted, a job this engine cannot run as planned."""
+        if self.names is not None and job.accelerator == "cuda":
+            engine_name(self.names, job.choice.gpu, job.choice.name, self.title, self.name_hint)
 
     def preflight(self, job: Job, opts: Options) -> None:
         """Before --submit writes anything: the engine's client is here, and the engine can run the job."""

@@ -83,6 +83,14 @@ class Job:
         """OMP_NUM_THREADS for each process: the node's CPUs shared out."""
         return max(1, self.cpus_per_node // self.choice.per_node)
 
+    def headline(self) -> str:
+        """The first comment line of every artifact."""
+        from gpuwise import __version__
+
+        c = self.choice
+        return (f"gpuwise {__version__}: {self.workload} on {c.nodes} x {c.per_node} {c.name}, planned "
+                f"{duration(c.wall_s)} of training, {dollars(c.usd)}")  # fmt: skip
+
     def train_command(self) -> list[str]:
         """`gpuwise train` for a fresh run of this job on every node (after `python -m gpuwise`)."""
         return [

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from gpuwise import __version__
 from gpuwise.errors import GpuwiseError
-from gpuwise.launch.engines import K8S_PRODUCT, STATE_TIMEOUT_S, Engine, Options, dump_yaml, engine_name, run_client
-from gpuwise.launch.job import RDZV_PORT, Job, duration
+from gpuwise.launch.engines import K8S_PRODUCT, STATE_TIMEOUT_S, Engine, Options, dump_yaml, run_client
+from gpuwise.launch.job import RDZV_PORT, Job
 
 MOUNT = "/gpuwise-runs"
 RETRIES = 3  # pods replaced after a failure (each resumes the run), then the Job fails
@@ -28,12 +28,8 @@ def _labels(job: Job) -> dict:
 class Kubernetes(Engine):
     name, suffix, client = "k8s", ".k8s.yaml", "kubectl"
     install = "install kubectl (https://kubernetes.io/docs/tasks/tools/) with a kubeconfig for your cluster"
-    names = K8S_PRODUCT
-
-    def check(self, job: Job, opts: Options) -> None:
-        if job.accelerator == "cuda":
-            engine_name(K8S_PRODUCT, job.choice.gpu, job.choice.name, "Kubernetes",
-                        "no nvidia.com/gpu.product label is known for it; pass another --gpu")  # fmt: skip
+    names, title = K8S_PRODUCT, "Kubernetes"
+    name_hint = "no nvidia.com/gpu.product label is known for it; pass another --gpu"
 
     def manifests(self, job: Job, opts: Options) -> list[dict]:
         c = job.choice
@@ -116,12 +112,7 @@ class Kubernetes(Engine):
         return docs
 
     def render(self, job: Job, opts: Options) -> str:
-        c = job.choice
-        head = (
-            f"# gpuwise {__version__}: {job.workload} on {c.nodes} x {c.per_node} {c.name}, planned "
-            f"{duration(c.wall_s)}; kubectl apply -f this file\n"
-        )
-        return head + dump_yaml(self.manifests(job, opts))
+        return f"# {job.headline()}\n# kubectl apply -f this file\n" + dump_yaml(self.manifests(job, opts))
 
     def submit(self, artifact: Path, job: Job, opts: Options) -> str:
         kubectl = self.need_client()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwise.errors import GpuwiseError, first_line
-from gpuwise.launch.engines import RAY_NAME, STATE_TIMEOUT_S, Engine, Options, engine_name
+from gpuwise.launch.engines import RAY_NAME, STATE_TIMEOUT_S, Engine, Options
 from gpuwise.launch.job import Job
 
 AGENT_WAIT_S = 60
@@ -45,12 +45,8 @@ def _client(address: str):
 class Ray(Engine):
     name, suffix, client = "ray", ".ray-job.json", "ray"
     install = "pip install 'ray[default]'"
-    names = RAY_NAME
-
-    def check(self, job: Job, opts: Options) -> None:
-        if job.accelerator == "cuda":
-            engine_name(RAY_NAME, job.choice.gpu, job.choice.name, "Ray",
-                        "its nodes carry no accelerator_type resource for it (ray.util.accelerators)")  # fmt: skip
+    names, title = RAY_NAME, "Ray"
+    name_hint = "its nodes carry no accelerator_type resource for it (ray.util.accelerators)"
 
     def spec(self, job: Job, opts: Options) -> dict[str, Any]:
         """The job as `JobSubmissionClient.submit_job` takes it (and `ray job submit` with these fields)."""

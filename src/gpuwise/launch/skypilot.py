@@ -13,8 +13,8 @@ from pathlib import Path
 
 from gpuwise import __version__
 from gpuwise.errors import GpuwiseError
-from gpuwise.launch.engines import SKY_NAME, STATE_TIMEOUT_S, Engine, Options, dump_yaml, engine_name, run_client
-from gpuwise.launch.job import Job, dollars, duration
+from gpuwise.launch.engines import SKY_NAME, STATE_TIMEOUT_S, Engine, Options, dump_yaml, run_client
+from gpuwise.launch.job import Job
 
 MOUNT = "/gpuwise-runs"  # where the bucket holding the run directories is mounted on every node
 INPUTS = "/gpuwise-inputs"  # where the local files the train command names are copied on every node
@@ -58,13 +58,13 @@ def default_setup() -> str:
 class SkyPilot(Engine):
     name, suffix, client = "skypilot", ".sky.yaml", "sky"
     install = "pip install skypilot (in a venv of its own: it pins click and uvicorn), then `sky check`"
-    names = SKY_NAME
+    names, title = SKY_NAME, "SkyPilot"
+    name_hint = "pass --gpu with one SkyPilot names (`sky show-gpus`)"
 
     def check(self, job: Job, opts: Options) -> None:
         if job.accelerator != "cuda":
             raise GpuwiseError("SkyPilot rents GPU nodes: give --gpu (a CPU job runs here, or on Slurm, Ray, k8s)")
-        for c in (job.choice, *job.alternatives):
-            engine_name(SKY_NAME, c.gpu, c.name, "SkyPilot", "pass --gpu with one SkyPilot names (`sky show-gpus`)")
+        super().check(job, opts)
         if opts.managed and not opts.bucket:
             raise GpuwiseError(
                 "a managed job outlives its nodes: give --bucket NAME for the run directory, or it is lost with "
@@ -107,12 +107,9 @@ class SkyPilot(Engine):
         return task
 
     def render(self, job: Job, opts: Options) -> str:
-        c = job.choice
         head = (
-            f"# gpuwise {__version__}: {job.workload} on {c.nodes} x {c.per_node} {c.name}, planned "
-            f"{duration(c.wall_s)}, {dollars(c.usd)} for the job\n"
-            f"# {'sky jobs launch' if opts.managed else 'sky launch'} this file; the accelerators are tried in "
-            "order, the cheapest whole job first\n"
+            f"# {job.headline()}\n# {'sky jobs launch' if opts.managed else 'sky launch'} this file; the "
+            "accelerators are tried in order, the cheapest whole job first\n"
         )
         return head + dump_yaml([self.task(job, opts)])
 

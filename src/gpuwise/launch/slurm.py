@@ -12,10 +12,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from gpuwise import __version__
 from gpuwise.errors import GpuwiseError
 from gpuwise.launch.engines import STATE_TIMEOUT_S, Engine, Options, run_client
-from gpuwise.launch.job import Job, duration
+from gpuwise.launch.job import Job
 
 SIGNAL_AHEAD_S = 120  # time for the step to end and the checkpoint to be written before the limit
 
@@ -39,8 +38,7 @@ class Slurm(Engine):
         gpus = f"{opts.gres_type}:{c.per_node}" if opts.gres_type else str(c.per_node)
         lines = [
             "#!/bin/bash",
-            f"# gpuwise {__version__}: {job.workload} on {c.nodes} x {c.per_node} {c.name}, planned "
-            f"{duration(c.wall_s)} of training (gpuwise launch slurm; figures in the launch record)",
+            f"# {job.headline()}",
             f"#SBATCH --job-name={job.name}",
             f"#SBATCH --nodes={c.nodes}",
             "#SBATCH --ntasks-per-node=1",
