@@ -25,11 +25,15 @@ SLURM, RAY, SKY, K8S = "Slurm", "Ray", "SkyPilot", "Kubernetes"
 
 
 def launch(
-    engine: Annotated[EngineName, typer.Argument(help="Where the job runs: slurm, ray, skypilot or k8s.")],
+    engine: Annotated[
+        EngineName, typer.Argument(help="Where the job runs: slurm, ray, skypilot or k8s.", metavar="ENGINE")
+    ],
     job: Annotated[
         list[str] | None,
         typer.Argument(
-            help="After --: the job, as you would run it here: train WORKLOAD [train options].", show_default=False
+            help="After --: the job, as you would run it here: train WORKLOAD [train options].",
+            show_default=False,
+            metavar="-- train WORKLOAD [OPTIONS]",
         ),
     ] = None,
     gpu: Annotated[
