@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from gpuwise.cli import main
+from gpuwise.cli.launch import plan_command as plan_job
 from gpuwise.launch.engines import K8S_PRODUCT, RAY_NAME, SKY_NAME, Options, engines
-from gpuwise.launch.job import plan_job
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES_VENV = ROOT / ".venv-engines"

@@ -1,7 +1,7 @@
 """Issue #10: the layers show in the imports. A module imports only its own layer or lower ones, in
 functions too (an import inside a function is still a dependency), and no two packages import each other.
 
-    errors, files, results  <-  hardware, runs  <-  plan  <-  workloads  <-  train, bench, serve, report
+    errors, files, results  <-  hardware, runs  <-  plan  <-  workloads  <-  train, bench, serve, report, launch
         <-  views, ui, cli
 """
 
@@ -23,6 +23,7 @@ RANK = {
     "bench": 4,
     "serve": 4,
     "report": 4,
+    "launch": 4,
     "views": 5,
     "ui": 5,
     "cli": 5,

@@ -24,6 +24,55 @@ EPILOG = (
 SLURM, RAY, SKY, K8S = "Slurm", "Ray", "SkyPilot", "Kubernetes"
 
 
+# Flags of `gpuwise train` that the launch sets from the layout; given by the user they would contradict it.
+SET_BY_LAUNCH = {
+    "--devices": "--gpus and --nodes",
+    "--num-nodes": "--nodes",
+    "--accelerator": "--gpu",
+    "--resume": "the job itself (a requeued or recovered job resumes its run)",
+}
+
+
+def parse_train(argv: list[str]) -> tuple[str, tuple[str, ...], dict]:
+    """The train command given after `--`: its workload, its options as given, and their parsed values,
+    parsed by `gpuwise train`'s own options (so a typo is the same error as there)."""
+    from gpuwise.cli import train as train_cli
+
+    if not argv or argv[0] != "train":
+        raise GpuwiseError("give the job after --: gpuwise launch ENGINE [options] -- train WORKLOAD [train options]")
+    for arg in argv[1:]:
+        flag = arg.split("=", 1)[0]
+        if flag in SET_BY_LAUNCH:
+            raise GpuwiseError(f"train {flag} is set by the launch: use {SET_BY_LAUNCH[flag]} instead")
+    app = typer.Typer(add_completion=False)
+    app.command()(train_cli.train)
+    command = typer.main.get_command(app)
+    try:
+        ctx = command.make_context("gpuwise train", list(argv[1:]))
+    except Exception as e:  # click's usage errors: one line, as `gpuwise train` gives them
+        format_message = getattr(e, "format_message", None)
+        message = format_message() if callable(format_message) else str(e)
+        raise GpuwiseError(f"the train command: {message}") from None
+    params = ctx.params
+    if params.get("workload") is None:
+        raise GpuwiseError("name the workload: -- train WORKLOAD [train options]")
+    if params.get("as_json"):
+        raise GpuwiseError("train --json has no reader in a launched job: drop it (gpuwise runs shows the summary)")
+    options = list(argv[1:])
+    options.remove(params["workload"])
+    return params["workload"], tuple(options), params
+
+
+
+def plan_command(argv: list[str], catalog, **kw):
+    """The job `argv` (["train", WORKLOAD, options...]) parsed as `gpuwise train` parses it, then planned."""
+    from gpuwise.cli.train import config_of
+    from gpuwise.launch.job import plan_job
+
+    workload, options, params = parse_train(argv)
+    return plan_job(config_of(workload, params), options, catalog, **kw)
+
+
 def launch(
     engine: Annotated[
         EngineName, typer.Argument(help="Where the job runs: slurm, ray, skypilot or k8s.", metavar="ENGINE")
@@ -93,7 +142,7 @@ def launch(
     """Write a planned training job as an engine runs it (an sbatch script, a Ray job, a SkyPilot task,
     Kubernetes manifests), with the plan's figures beside it; --submit hands it to the engine."""
     from gpuwise.launch.engines import Options, engines
-    from gpuwise.launch.job import dollars, plan_job
+    from gpuwise.launch.job import dollars
 
     if spot and not managed:
         raise GpuwiseError("--spot needs --managed: an unmanaged spot cluster is not recovered after a preemption")
@@ -119,7 +168,7 @@ def launch(
     )
     if submit and chosen.name != "ray":  # the cheapest refusal first: before the job is built and traced
         chosen.need_client()
-    planned = plan_job(
+    planned = plan_command(
         list(job or []),
         load_catalog(catalog),
         gpu=gpu,

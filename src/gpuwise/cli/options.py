@@ -20,7 +20,7 @@ CatalogOpt = Annotated[
     typer.Option(
         "--catalog",
         help="A CSV of your own accelerators or prices (same columns as `gpuwise hardware "
-        "--json` rows; see README). Repeatable; also GPUWISE_CATALOG=FILE[:FILE].",
+        "--json` rows; see docs/plan.md). Repeatable; also GPUWISE_CATALOG=FILE[:FILE].",
         metavar="FILE",
     ),
 ]

@@ -16,7 +16,7 @@ EPILOG = (
     "Examples: gpuwise train WORKLOAD · gpuwise train WORKLOAD --max-steps 200 --batch-size 16 · "
     "gpuwise train --resume runs/WORKLOAD-20261130-101500"
 )
-WORKLOAD_HELP = f"{described()}; or package.module:Class, your own (README: Add a workload)."
+WORKLOAD_HELP = f"{described()}; or package.module:Class, your own (docs/development.md: Add a workload)."
 
 
 def train(
@@ -25,7 +25,7 @@ def train(
         Path | None,
         typer.Option(
             help="Your own data, in the form the workload reads (an image folder, a CSV/Parquet table, "
-            "JSONL/CSV text; see README). Default: the workload's PyPI data set."
+            "JSONL/CSV text; see docs/train.md). Default: the workload's PyPI data set."
         ),
     ] = None,
     run_dir: Annotated[Path | None, typer.Option(help="Where the run is written [runs/WORKLOAD-TIME].")] = None,

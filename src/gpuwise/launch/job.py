@@ -21,6 +21,7 @@ from typing import Any
 from gpuwise.errors import GpuwiseError
 from gpuwise.hardware.catalog import Accelerator, Catalog
 from gpuwise.plan.request import ALLOCATOR_SLACK, EFFICIENCY, OVERHEAD_BYTES, Assumption
+from gpuwise.train.config import TrainConfig
 
 # Where each figure of a launch comes from, printed beside it.
 TIME_MARGIN = Assumption(1.5, "assumption: the time limit is the planned training time x 1.5")
@@ -30,13 +31,6 @@ HOST_MEMORY = Assumption(2.0, "assumption: host memory 2 x the planned memory of
 RDZV_PORT = 29500  # torchrun's default rendezvous port
 TOP_CHOICES = 3  # the plan's best accelerators that SkyPilot may fall back to, in gpuwise's order
 
-# Flags of `gpuwise train` that the launch sets from the layout; given by the user they would contradict it.
-SET_BY_LAUNCH = {
-    "--devices": "--gpus and --nodes",
-    "--num-nodes": "--nodes",
-    "--accelerator": "--gpu",
-    "--resume": "the job itself (a requeued or recovered job resumes its run)",
-}
 
 
 @dataclass(frozen=True)
@@ -190,38 +184,6 @@ def node_script(
     )
 
 
-def parse_train(argv: list[str]) -> tuple[str, tuple[str, ...], dict]:
-    """The train command given after `--`: its workload, its options as given, and their parsed values,
-    parsed by `gpuwise train`'s own options (so a typo is the same error as there)."""
-    import typer
-
-    from gpuwise.cli import train as train_cli
-
-    if not argv or argv[0] != "train":
-        raise GpuwiseError("give the job after --: gpuwise launch ENGINE [options] -- train WORKLOAD [train options]")
-    for arg in argv[1:]:
-        flag = arg.split("=", 1)[0]
-        if flag in SET_BY_LAUNCH:
-            raise GpuwiseError(f"train {flag} is set by the launch: use {SET_BY_LAUNCH[flag]} instead")
-    app = typer.Typer(add_completion=False)
-    app.command()(train_cli.train)
-    command = typer.main.get_command(app)
-    try:
-        ctx = command.make_context("gpuwise train", list(argv[1:]))
-    except Exception as e:  # click's usage errors: one line, as `gpuwise train` gives them
-        format_message = getattr(e, "format_message", None)
-        message = format_message() if callable(format_message) else str(e)
-        raise GpuwiseError(f"the train command: {message}") from None
-    params = ctx.params
-    if params.get("workload") is None:
-        raise GpuwiseError("name the workload: -- train WORKLOAD [train options]")
-    if params.get("as_json"):
-        raise GpuwiseError("train --json has no reader in a launched job: drop it (gpuwise runs shows the summary)")
-    options = list(argv[1:])
-    options.remove(params["workload"])
-    return params["workload"], tuple(options), params
-
-
 def _probe(work, cfg, micro: int, precision: str, world: int, fsdp: bool, gpu: bool) -> tuple[int, float, str]:
     """Planned peak bytes a process (tensors, plus the CUDA context and allocator slack) and FLOPs a sample: what
     `gpuwise train` plans before its first step (train/setup.py fit_and_plan), from one real forward and backward
@@ -304,7 +266,8 @@ def layout(acc: Accelerator, gpus: int, nodes: int | None) -> tuple[int, int]:
 
 
 def plan_job(
-    argv: list[str],
+    cfg: TrainConfig,
+    options: tuple[str, ...],
     catalog: Catalog,
     gpu: str | None = None,
     gpus: int | None = None,
@@ -316,15 +279,14 @@ def plan_job(
     mem_per_node_gib: int | None = None,
     nameable: Collection[str] | None = None,
 ) -> Job:
-    """Plan the train command `argv` (["train", WORKLOAD, options...]) for the engines: the accelerator and
+    """Plan the train command `cfg` (parsed from `options`, its flags as given) for the engines: the accelerator and
     count (given, or the cheapest whole job of the catalog among the `nameable` slugs: those the engine can
     ask for by name), and every figure the artifacts need."""
-    from gpuwise.cli.train import config_of
     from gpuwise.train.engine import resolve_strategy
     from gpuwise.workloads import build as build_workload
 
-    workload, options, params = parse_train(argv)
-    cfg = config_of(workload, params)
+    workload = cfg.workload
+    run_dir = run_dir or cfg.run_dir
     if gpus is not None and gpus < 1 or nodes is not None and nodes < 1:
         raise GpuwiseError("--gpus and --nodes must be at least 1")
     world = gpus or nodes or 1
@@ -396,8 +358,7 @@ def plan_job(
     cpus = cpus_per_node or (best.per_node * int(CPUS_PER_GPU.value) if not on_cpu else best.per_node)
     host = mem_per_node_gib or math.ceil(HOST_MEMORY.value * best.per_node * memory / 2**30 + 8)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    run = run_dir or params.get("run_dir")
-    run = str(Path(run).resolve()) if run else str(Path.cwd() / "runs" / f"{workload}-{stamp}")
+    run = str(Path(run_dir).resolve()) if run_dir else str(Path.cwd() / "runs" / f"{workload}-{stamp}")
     if "--run-dir" in options:
         i = options.index("--run-dir")
         options = options[:i] + options[i + 2 :]

@@ -111,7 +111,7 @@ def stratified_split(
 VALIDATION_SHARE = 0.10  # of the training cells: ~200 of ELPV's, ~60 of them defective
 TARGET_RECALL = 0.80  # issue #13: quality control's floor for the share of defects caught
 # How sure the threshold is of that floor on cells it has not seen: ~60 validation defects measure recall
-# to +-0.05, so "recall 0.80 on them" was 0.76 on ELPV's test cells in one run (README, defects quality).
+# to +-0.05, so "recall 0.80 on them" was 0.76 on ELPV's test cells in one run (docs/quality.md, defects).
 CONFIDENCE = 0.90
 
 
@@ -153,7 +153,7 @@ class WSConv2d(nn.Conv2d):
     """A convolution whose kernel is standardized per output channel (zero mean, unit variance) before it is
     applied: Weight Standardization (Qiao et al., 2019, arXiv 1903.10520). Beside GroupNorm it trains as fast
     as BatchNorm, and, unlike BatchNorm, a sample's output depends on no other sample. Measured here on ELPV
-    (README, defects quality): the training loss after 50 epochs fell from 0.36 to 0.22 and accuracy at 0.5
+    (docs/quality.md, defects): the training loss after 50 epochs fell from 0.36 to 0.22 and accuracy at 0.5
     rose from 0.827 to 0.864, at the same seed."""
 
     def standardized(self) -> torch.Tensor:
@@ -268,7 +268,7 @@ class MultiScale(nn.Module):
     a run of its own (`Defects.parts`), and assembles them (`assemble`); runs from before 2026-12-02
     trained them together, each on its own loss. Why two sizes: measured here, CNNs trained apart at 128
     and 192 px missed fewer of the same cells than two at one size, and than two trained together
-    (README, defects quality)."""
+    (docs/quality.md, defects)."""
 
     def __init__(self, sizes: tuple[int, ...], **cnn: object):
         super().__init__()
@@ -285,7 +285,7 @@ class SymmetricViews(nn.Module):
     """Test-time augmentation: the model's probability averaged over the 8 flips and quarter turns of the
     image, the views it trained on (`augment`), as one batch 8x the size. A cell's class does not change when
     it is turned or flipped, but the CNN's output does: what one view misses another may catch. Measured here
-    with GeM pooling: 0.875 -> 0.881 accuracy at 0.5 (README, defects quality). Evaluation, prediction,
+    with GeM pooling: 0.875 -> 0.881 accuracy at 0.5 (docs/quality.md, defects). Evaluation, prediction,
     serving and export run it; training does not."""
 
     def __init__(self, model: nn.Module):
@@ -304,7 +304,7 @@ def to_tensor(images: np.ndarray) -> torch.Tensor:
     return (torch.from_numpy(images).float().div_(127.5).sub_(1.0)).unsqueeze(1)
 
 
-# Levers measured (benchmarks/defects_ablation.py switches them; README, defects quality). Left off:
+# Levers measured (benchmarks/defects_ablation.py switches them; docs/quality.md, defects). Left off:
 # ELPV's own defect probabilities (0, 1/3, 2/3, 1) as soft targets, brightness / contrast jitter of
 # +-JITTER, random crops of (1 - CROP .. 1) of the side, and mixup. Each cost accuracy or ROC-AUC here.
 SOFT_TARGETS = False
@@ -317,7 +317,7 @@ POOL = "gem"  # how the CNN pools its last map: "gem" (`GeM`, the default) or "a
 VIEWS = 8  # test-time views averaged (`SymmetricViews`): 8, or 1 for the plain model as runs before 2026-12-02
 MODELS = ("cnn", "multiscale", "ensemble")  # --model: one CNN at --image-size, or several (MEMBERS)
 # The CNNs of --model multiscale and ensemble, each trained apart as a run of its own (`parts`), then averaged:
-# (its image size as a multiple of --image-size, its seed's offset from --seed). Measured here at 0.5 (README,
+# (its image size as a multiple of --image-size, its seed's offset from --seed). Measured here at 0.5 (docs/quality.md,
 # defects quality): multiscale (128 and 192 px) 0.878-0.889 over seeds 0-3; the ensemble, three at 192 px,
 # 0.884-0.890 over the 4 triples of seeds 0-3 (two: 0.879-0.893).
 MEMBERS = {"multiscale": ((1.0, 0), (1.5, 0)), "ensemble": ((1.5, 0), (1.5, 1), (1.5, 2))}
@@ -525,7 +525,7 @@ def build(cfg, run_dir: Path) -> Training:
         loss,
         evaluate,
         save,
-        # 40 epochs: 87.0-88.1 % accuracy at 0.5 over seeds 0-2, ~3 min of training on 2 Zen 5 cores (README,
+        # 40 epochs: 87.0-88.1 % accuracy at 0.5 over seeds 0-2, ~3 min of training on 2 Zen 5 cores (docs/quality.md,
         # defects quality); multiscale's and ensemble's epochs are their parts' (`epochs`)
         defaults={"batch_size": 32, "lr": 2e-3} | ({} if len(sizes) > 1 else {"epochs": 40}),
         baseline=baseline,

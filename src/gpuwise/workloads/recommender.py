@@ -98,7 +98,7 @@ class MatrixFactorization(nn.Module):
 # has a median of 64 training ratings per user); dropout 0.2 gave 0.101 where none gave 0.081 (the model
 # then memorizes the training sequences: final loss 4.3 against 5.6). Dropout draws its masks from torch's
 # generator: a resumed run redraws them exactly, but 2 processes or another micro-batch draw other masks
-# than 1 process (README, recommender quality).
+# than 1 process (docs/quality.md, recommender).
 HISTORY = 50
 MODELS = ("sasrec", "mf")
 
@@ -221,7 +221,7 @@ def latest(histories: list[np.ndarray], history: int) -> torch.Tensor:
 # The softmax's logits are [samples, items] (SASRec: [windows x positions, items]): 128 x 50 x 50,000 in fp32
 # is 1.3 GB, as much again for their gradient, and the step grows with the catalogue. Past this size the loss
 # is BPR, whose step does not. On MovieLens' 8,400 items matrix factorization reached recall@10 0.074 with the
-# softmax against 0.060 with BPR (README, recommender quality).
+# softmax against 0.060 with BPR (docs/quality.md, recommender).
 FULL_SOFTMAX_ITEMS = 50_000
 
 
