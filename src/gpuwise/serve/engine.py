@@ -23,12 +23,9 @@ with it (its weight reads), and a CPU's attention runs far below its matmuls' FL
 neither (docs/serving.md).
 
 Why not transformers' own continuous batching (`generate_batch`, `transformers serve
---continuous-batching`): `benchmarks/llm_serve_load.py` (SmolLM2-135M, 32 concurrent streams) measured this
-engine at 1.28x it on 2 Zen 3 cores in fp32 (servers one after another), on 2 Xeon cores with AMX
-(servers interleaved) at 1.56x in fp32 and 1.78x in bf16, and on 2 Zen 5 cores with the fused decoder's
-decode attention kernel and oneDNN packing at 3.85x in fp32 and 2.58x in bf16 (3.10x and 2.01x without the
-prefix cache): never behind at 32, and it also runs one LoRA adapter per row and admits by the KV budget,
-which `generate_batch` does not.
+--continuous-batching`): this engine was never behind it at 32 streams in `benchmarks/llm_serve_load.py`
+(docs/benchmarks.md), and it also runs one LoRA adapter per row and admits by the KV budget, which
+`generate_batch` does not.
 Here the KV cache holds a row per running sequence (`SlotCache`), and recent prompts' keys and values
 are kept for the prompts that start like them (`PrefixCache`). The
 forward is transformers' own, given that cache, per-row positions and a 4-D mask, so any model

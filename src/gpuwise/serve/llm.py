@@ -169,9 +169,8 @@ class LLM:
         self.limits, self.workload = limits, workload
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype == "auto":  # bf16 where the hardware computes it; fp32 elsewhere (emulated bf16 is slower)
-            # With linears packed for oneDNN, bf16 decoded SmolLM2 1.75x / 1.61x faster than fp32 at batch 8 / 32
-            # and 0.94x at 1 on a 2-core Xeon with AMX; 1.35x / 1.55x and 1.55x on 2 Zen 5 cores with fp32 packed
-            # too (benchmarks/engine_step.py, in one process); it holds half the bytes.
+            # bf16 decodes faster where it is native, and holds half the bytes (benchmarks/engine_step.py;
+            # docs/benchmarks.md).
             dtype = "bf16" if computes_bf16(self.device) else "fp32"
         self.precision = dtype
         self.created = int(time.time())

@@ -272,7 +272,7 @@ def analytic_plan(work, cfg, micro: int, precision: str, raw) -> dict:
     run holds them. `gpuwise plan` counts mixed precision as Megatron keeps it (16-bit weights and gradients,
     fp32 master weights and moments: 16 bytes a parameter); Fabric's autocast keeps fp32 weights and
     gradients, the moments, and a 16-bit copy of each matrix a product reads, alive from forward to backward
-    (18). On the scratch Llama the first under-counted a measured step by 10 %."""
+    (18), which is what this counts."""
     from gpuwise.plan.memory import memory
     from gpuwise.plan.request import Layout, PlanRequest
 
@@ -291,13 +291,12 @@ def analytic_plan(work, cfg, micro: int, precision: str, raw) -> dict:
         matrices = {id(m.weight): m.weight for m in raw.modules() if isinstance(m, torch.nn.Linear)}
         casts = 2 * sum(w.numel() for w in matrices.values() if w.dtype == torch.float32)
     # The step's peak falls in the loss's backward: the gradient of the logits (fp32, and 16-bit under
-    # autocast) exists beside everything forward saved. SmolLM2 LoRA, micro-batch 8 x 128 tokens in bf16:
-    # 302 MB of 2.32 GB measured, -13 % without it, -0.3 % with it. In fp32 the formula's fp32 upcast of
-    # the logits is no copy, and those 4 bytes stand for the gradient's (scratch Llama: +3.9 %).
+    # autocast) exists beside everything forward saved. In fp32 the formula's fp32 upcast of the logits is
+    # no copy, and those 4 bytes stand for the gradient's (docs/plan.md has the figures behind both).
     logit_grads = cfg.block_size * micro * work.model_spec.vocab * (6 if req.precision == "bf16" else 0)
     # Not every weight's gradient is alive at that peak: backward makes each layer's as it frees that layer's
     # activations, so as it starts only the output layer's exists. The end of backward (every gradient, no
-    # activations) is the other candidate. A full fine-tune of the scratch Llama: 12 % over without this.
+    # activations) is the other candidate.
     states = measure.state_bytes(raw)
     grads = sum(p.numel() * p.element_size() for p in raw.parameters() if p.requires_grad)
     head = raw.get_output_embeddings() if hasattr(raw, "get_output_embeddings") else None
