@@ -292,7 +292,7 @@ def analytic_plan(work, cfg, micro: int, precision: str, raw) -> dict:
         casts = 2 * sum(w.numel() for w in matrices.values() if w.dtype == torch.float32)
     # The step's peak falls in the loss's backward: the gradient of the logits (fp32, and 16-bit under
     # autocast) exists beside everything forward saved. In fp32 the formula's fp32 upcast of the logits is
-    # no copy, and those 4 bytes stand for the gradient's (docs/plan.md has the figures behind both).
+    # no copy, and those 4 bytes stand for the gradient's (docs/benchmarks.md has the figures behind both).
     logit_grads = cfg.block_size * micro * work.model_spec.vocab * (6 if req.precision == "bf16" else 0)
     # Not every weight's gradient is alive at that peak: backward makes each layer's as it frees that layer's
     # activations, so as it starts only the output layer's exists. The end of backward (every gradient, no
