@@ -237,6 +237,7 @@ def test_the_slurm_script_runs_one_torchrun_per_node_and_requeues_on_the_signal(
     assert f"#SBATCH --time={hms(job.time_limit_s)}\n" in script
     assert "srun --kill-on-bad-exit=1" in script and "--nnodes=$SLURM_JOB_NUM_NODES --nproc-per-node=8" in script
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert "--node-rank" not in script  # srun runs no shell: c10d numbers the nodes
     assert subprocess.run(["bash", "-n", str(text)]).returncode == 0
 
 

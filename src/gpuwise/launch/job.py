@@ -104,7 +104,7 @@ class Job:
         ]
 
     def node_script(
-        self, python: str, node_rank: str, head: str, rdzv_id: str, nodes: str | None = None, launcher: str = ""
+        self, python: str, node_rank: str | None, head: str, rdzv_id: str, nodes: str | None = None, launcher: str = ""
     ) -> str:
         """The shell every node of this job runs (see `node_script`)."""
         c = self.choice
@@ -156,7 +156,7 @@ def node_script(
     nodes: int,
     per_node: int,
     python: str,
-    node_rank: str,
+    node_rank: str | None,
     head: str,
     rdzv_id: str,
     nodes_expr: str | None = None,
@@ -171,8 +171,9 @@ def node_script(
         layout = f"--standalone --nproc-per-node={per_node}"
     else:
         layout = (
-            f"--nnodes={nodes_expr or nodes} --nproc-per-node={per_node} --node-rank={node_rank} "
-            f"--rdzv-backend=c10d --rdzv-endpoint={head}:{RDZV_PORT} --rdzv-id={rdzv_id}"
+            f"--nnodes={nodes_expr or nodes} --nproc-per-node={per_node} "
+            + (f"--node-rank={node_rank} " if node_rank else "")
+            + f"--rdzv-backend=c10d --rdzv-endpoint={head}:{RDZV_PORT} --rdzv-id={rdzv_id}"
         )
     return (
         f"if [ -f {run}/config.yaml ]; then\n"

@@ -60,7 +60,9 @@ class Slurm(Engine):
             "# each node passes it to its processes: each ends its step, writes a checkpoint and stops. TERM sent to",
             "# srun itself would kill the step at once. Then the job is requeued, and resumes from that checkpoint.",
             "trap 'requeue=1; scancel --signal=TERM \"$SLURM_JOB_ID\"' USR1",
-            job.node_script(opts.python, "$SLURM_NODEID", "$HEAD", "$SLURM_JOB_ID", "$SLURM_JOB_NUM_NODES",
+            # No --node-rank: srun starts the command without a shell, so no per-node variable reaches it; c10d
+            # rendezvous numbers the nodes itself.
+            job.node_script(opts.python, None, "$HEAD", "$SLURM_JOB_ID", "$SLURM_JOB_NUM_NODES",
                             launcher="srun --kill-on-bad-exit=1 ").rstrip("\n")  # fmt: skip
             + " &",
             "step=$!",
