@@ -65,7 +65,7 @@ def ray_job(args, where: Path, n: int, address: str) -> dict:
     run = where / f"ray-{n}"
     t0 = time.perf_counter()
     done = subprocess.run([str(BIN / "gpuwise"), "launch", "ray", "--gpu", "cpu", "--gpus", "2", "--submit",
-                           "--address", address, "--json", "--", *job(args, run)],
+                           "--address", address, "--python", sys.executable, "--json", "--", *job(args, run)],
                           capture_output=True, text=True, cwd=where)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     submitted = time.perf_counter()

@@ -65,11 +65,13 @@ def test_the_layout_and_figures_come_from_the_plan(catalog, data, tmp_path):
     cheapest = min(p.usd_per_gpu_hour for p in catalog.prices("h100-sxm"))
     assert c.price is not None and c.price["usd_per_gpu_hour"] == cheapest
     assert c.usd == pytest.approx(c.gpu_hours * cheapest)
-    assert job.time_limit_s >= 1.5 * c.wall_s + 600 and job.time_limit_s % 60 == 0
+    assert job.time_limit_s >= 1.5 * c.wall_s + 900 and job.time_limit_s % 60 == 0
     assert job.train_command() == [*train(data), "--devices", "8", "--num-nodes", "2", "--accelerator", "cuda",
                                    "--strategy", "ddp", "--run-dir", str(tmp_path / "run")]  # fmt: skip
     script = job.node_script("python", "$RANK", "head", "id")
-    assert "--nnodes=2 --nproc-per-node=8 --node-rank=$RANK --rdzv-backend=c10d --rdzv-endpoint=head:29500" in script
+    assert (f"--nnodes=2 --nproc-per-node=8 --node-rank=$RANK --rdzv-backend=c10d --rdzv-endpoint=head:{job.rdzv_port}"
+            in script) and 29500 <= job.rdzv_port < 30500  # fmt: skip
+    assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=240" in script  # time to write the checkpoint after TERM
     assert f"set -- train --resume {tmp_path / 'run'}" in script  # a requeued job continues its run
 
 
@@ -120,6 +122,8 @@ def test_refusals_are_one_line_before_anything_is_written(capsys, data, tmp_path
         (["skypilot", "--gpu", "h100-sxm", "--max-cost", "0"], "over --max-cost $0.00"),
         (["skypilot", "--gpu", "mi300x", "--max-cost", "5"], "no cloud price is known for AMD MI300X"),
         (["skypilot", "--gpu", "h100-sxm", "--managed"], "give --bucket NAME"),
+        (["skypilot", "--gpu", "h100-sxm", "--gpus", "16"], "2 nodes need one run directory they all see"),
+        (["slurm", "--run-dir", "my runs/x"], "Slurm's --output cannot hold a space"),
         (["slurm", "--gpu", "h100-sxm", "--gpus", "3"], "global batch 16 must be divisible by the 3 processes"),
     ]
     for flags, expect in cases:
@@ -215,6 +219,7 @@ def test_skypilot_loads_the_task_and_its_resources_match_the_plan(catalog, data,
         else:
             assert r["autostop"]["idle_minutes"] == 10
     assert task["storage_mounts"]["/gpuwise-runs"]["name"] == "team-runs"
+    assert task["storage_mounts"]["/gpuwise-runs"]["mode"] == "MOUNT_CACHED"
     for var in ("SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_GPUS_PER_NODE", "SKYPILOT_NUM_NODES"):
         assert f"${var}" in task["run"]
     assert "set -- train --resume /gpuwise-runs/run" in task["run"]  # a recovered job continues its run
@@ -229,8 +234,10 @@ def test_the_slurm_script_runs_one_torchrun_per_node_and_requeues_on_the_signal(
     job = plan_job(train(data), catalog, gpu="h100-sxm", gpus=16, run_dir=str(tmp_path / "run"))
     text = artifact("slurm", job, Options(partition="gpu", account="ml", qos="high", gres_type="h100"), tmp_path)
     script = text.read_text()
+    from gpuwise.launch.slurm import SIGNAL_AHEAD_S
+
     for line in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=h100:8", "--cpus-per-task=64", "--requeue",
-                 "--signal=B:USR1@120", "--partition=gpu", "--account=ml", "--qos=high"):  # fmt: skip
+                 f"--signal=B:USR1@{SIGNAL_AHEAD_S}", "--partition=gpu", "--account=ml", "--qos=high"):  # fmt: skip
         assert f"#SBATCH {line}\n" in script
     from gpuwise.launch.slurm import hms
 
@@ -288,7 +295,8 @@ def test_a_ray_job_trains_two_workers_and_matches_a_local_two_process_run(ray_cl
     monkeypatch.chdir(tmp_path)
     exact = ["--precision", "32-true", "--batch-size", "8", "--max-steps", "4"]
     job = ["train", "recommender", "--data", str(data), "--model", "mf", *exact]
-    assert main(["launch", "ray", "--gpu", "cpu", "--gpus", "2", "--submit", "--address", ray_cluster,
+    ray = ["--address", ray_cluster, "--python", sys.executable]  # the cluster runs this venv's Python
+    assert main(["launch", "ray", "--gpu", "cpu", "--gpus", "2", "--submit", *ray,
                  "--run-dir", str(tmp_path / "ray-run"), "--json", "--", *job]) == 0  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     assert out["job_id"] and out["record_id"] and Path(out["artifact"]).is_file()

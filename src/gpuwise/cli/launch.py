@@ -4,6 +4,7 @@ and with --submit handed to that engine's own client and recorded."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -17,9 +18,10 @@ from gpuwise.errors import GpuwiseError
 
 EngineName = StrEnum("EngineName", ["slurm", "ray", "skypilot", "k8s"])
 EPILOG = (
-    "Examples: gpuwise launch slurm --gpu h100-sxm --gpus 8 -- train product-lm · "
-    "gpuwise launch ray --gpu cpu --gpus 2 --submit -- train recommender --max-steps 20 · "
-    "gpuwise launch skypilot --max-cost 50 -- train defects · gpuwise launch k8s --gpu a100-80gb -- train defects"
+    "Examples: gpuwise launch slurm --gpu h100-sxm --gpus 8 -- train WORKLOAD · "
+    "gpuwise launch ray --gpu cpu --gpus 2 --submit -- train WORKLOAD --max-steps 20 · "
+    "gpuwise launch skypilot --max-cost 50 --bucket NAME -- train WORKLOAD · "
+    "gpuwise launch k8s --gpu a100-80gb --image IMAGE -- train WORKLOAD"
 )
 SLURM, RAY, SKY, K8S = "Slurm", "Ray", "SkyPilot", "Kubernetes"
 
@@ -102,6 +104,10 @@ def launch(
         float | None, typer.Option(min=0, help="Refuse a plan whose cloud cost for the whole job exceeds this, USD.")
     ] = None,
     provider: Annotated[str | None, typer.Option(help="Price with this cloud provider only.")] = None,
+    time_limit: Annotated[
+        int | None,
+        typer.Option(min=1, max=525_600, help="The job's time limit, minutes [the planned time x 1.5 + 15]."),
+    ] = None,
     efficiency: Annotated[
         float | None, typer.Option(min=1e-4, max=1, help="Fraction of dense peak achieved [0.462, PaLM MFU].")
     ] = None,
@@ -111,7 +117,7 @@ def launch(
     ] = None,
     python: Annotated[
         str | None,
-        typer.Option(help="The Python with gpuwise on the nodes [this one for Slurm and Ray; python elsewhere]."),
+        typer.Option(help="The Python with gpuwise on the nodes [this one for Slurm, a shared file system; python]."),
     ] = None,
     partition: Annotated[str | None, typer.Option(help=f"{SLURM}: partition.", rich_help_panel=SLURM)] = None,
     account: Annotated[str | None, typer.Option(help=f"{SLURM}: account.", rich_help_panel=SLURM)] = None,
@@ -147,9 +153,8 @@ def launch(
     if spot and not managed:
         raise GpuwiseError("--spot needs --managed: an unmanaged spot cluster is not recovered after a preemption")
     chosen = engines()[str(engine)]
-    on_same_fs = str(engine) in ("slurm", "ray")
     opts = Options(
-        python=python or (sys.executable if on_same_fs else "python"),
+        python=python or (sys.executable if str(engine) == "slurm" else "python"),
         partition=partition,
         account=account,
         qos=qos,
@@ -180,6 +185,7 @@ def launch(
         cpus_per_node=cpus_per_node,
         mem_per_node_gib=mem_per_node,
         nameable=chosen.names,
+        time_limit_s=time_limit * 60 if time_limit else None,
     )
     figures = planned.figures()
     if max_cost is not None:
@@ -191,6 +197,9 @@ def launch(
                 f"the plan costs {dollars(cost)} on {planned.choice.gpus} x {planned.choice.name} "
                 f"({planned.choice.price and planned.choice.price['provider']}), over --max-cost {dollars(max_cost)}"
             )
+        # The fallbacks an engine may run on must keep within it too.
+        kept = tuple(a for a in planned.alternatives if a.usd is not None and a.usd <= max_cost)
+        planned = replace(planned, alternatives=kept)
     chosen.check(planned, opts)
     if chosen.name == "k8s":
         for i, arg in enumerate(planned.train_args[:-1]):

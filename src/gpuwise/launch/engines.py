@@ -122,8 +122,7 @@ SKY_NAME = {
     "l40s": "L40S",
     "a100-40gb": "A100",
     "a100-80gb": "A100-80GB",
-    "h100-sxm": "H100",
-    "h100-pcie": "H100",
+    "h100-sxm": "H100",  # the clouds' H100 instances are SXM; SkyPilot has no name for the PCIe card alone
     "h100-nvl": "H100-NVL",
     "h200": "H200",
     "b200": "B200",
@@ -136,8 +135,8 @@ RAY_NAME = {
     "l4": "L4",
     "a10g": "A10G",
     "l40s": "L40S",
-    "a100-40gb": "A100-40G",
-    "a100-80gb": "A100-80G",
+    "a100-40gb": "A100",  # Ray's detection names every A100 "A100"; the memory is the plan's to check
+    "a100-80gb": "A100",
     "h100-sxm": "H100",
     "h100-pcie": "H100",
     "h100-nvl": "H100",

@@ -25,10 +25,16 @@ from gpuwise.train.config import TrainConfig
 
 # Where each figure of a launch comes from, printed beside it.
 TIME_MARGIN = Assumption(1.5, "assumption: the time limit is the planned training time x 1.5")
-STARTUP_S = Assumption(600, "assumption: plus 10 minutes for start-up, data loading and the final evaluation")
+STARTUP_S = Assumption(
+    900, "assumption: plus 15 minutes for start-up, data loading, the final evaluation and a checkpoint at the signal"
+)
 CPUS_PER_GPU = Assumption(8, "assumption: 8 CPU cores per GPU for data loading (DGX H100: 112 cores, 8 GPUs)")
 HOST_MEMORY = Assumption(2.0, "assumption: host memory 2 x the planned memory of the node's processes, + 8 GiB")
-RDZV_PORT = 29500  # torchrun's default rendezvous port
+RDZV_PORT = 29500  # torchrun's default rendezvous port; each job takes one of the 1,000 above it (`Job.rdzv_port`)
+# After TERM (a time limit near, a preemption, a pod deleted), the time torchrun lets its processes finish
+# their step and write a checkpoint before it kills them: its own default, 30 s, is too short to save a model.
+SHUTDOWN_GRACE_S = 240
+RDZV_JOIN_S = 1800  # nodes may start minutes apart (image pulls, provisioning): torchrun's default waits 600 s
 TOP_CHOICES = 3  # the plan's best accelerators that SkyPilot may fall back to, in gpuwise's order
 
 
@@ -73,6 +79,13 @@ class Job:
     method: str
 
     @property
+    def rdzv_port(self) -> int:
+        """The rendezvous port, from the job's name: two jobs sharing a node do not join each other's store."""
+        import zlib
+
+        return RDZV_PORT + zlib.crc32(self.name.encode()) % 1000
+
+    @property
     def threads(self) -> int:
         """OMP_NUM_THREADS for each process: the node's CPUs shared out."""
         return max(1, self.cpus_per_node // self.choice.per_node)
@@ -109,7 +122,7 @@ class Job:
         """The shell every node of this job runs (see `node_script`)."""
         c = self.choice
         return node_script(self.train_command(), c.nodes, c.per_node, python, node_rank, head, rdzv_id,
-                           nodes, launcher)  # fmt: skip
+                           nodes, launcher, self.rdzv_port, self.threads)  # fmt: skip
 
     def figures(self) -> dict[str, Any]:
         """What `gpuwise launch` prints beside the artifact, and records."""
@@ -161,6 +174,8 @@ def node_script(
     rdzv_id: str,
     nodes_expr: str | None = None,
     launcher: str = "",
+    port: int = RDZV_PORT,
+    threads: int | None = None,
 ) -> str:
     """The shell a node runs: one torchrun, which starts the node's `per_node` processes of `fresh` (a
     `gpuwise train` command with its --run-dir). A run directory that already holds config.yaml is resumed
@@ -170,18 +185,23 @@ def node_script(
     if nodes == 1:
         layout = f"--standalone --nproc-per-node={per_node}"
     else:
+        # The node of rank 0 hosts the store: said outright, since its own name may not resolve yet (a pod's DNS).
+        host = f",is_host=$([ {node_rank} = 0 ] && echo 1 || echo 0)" if node_rank else ""
         layout = (
             f"--nnodes={nodes_expr or nodes} --nproc-per-node={per_node} "
             + (f"--node-rank={node_rank} " if node_rank else "")
-            + f"--rdzv-backend=c10d --rdzv-endpoint={head}:{RDZV_PORT} --rdzv-id={rdzv_id}"
+            + f"--rdzv-backend=c10d --rdzv-endpoint={head}:{port} --rdzv-id={rdzv_id} "
+            + f"--rdzv-conf=join_timeout={RDZV_JOIN_S}{host}"
         )
     return (
-        f"if [ -f {run}/config.yaml ]; then\n"
+        f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={SHUTDOWN_GRACE_S}\n"
+        + (f"export OMP_NUM_THREADS={threads}\n" if threads else "")
+        + f"if [ -f {run}/config.yaml ]; then\n"
         f"  set -- train --resume {run}\n"
         f"else\n"
         f"  set -- {shlex.join(fresh)}\n"
         f"fi\n"
-        f'{launcher}{python} -m torch.distributed.run {layout} -m gpuwise "$@"\n'
+        f'{launcher}{shlex.quote(python)} -m torch.distributed.run {layout} -m gpuwise "$@"\n'
     )
 
 
@@ -279,6 +299,7 @@ def plan_job(
     cpus_per_node: int | None = None,
     mem_per_node_gib: int | None = None,
     nameable: Collection[str] | None = None,
+    time_limit_s: int | None = None,
 ) -> Job:
     """Plan the train command `cfg` (parsed from `options`, its flags as given) for the engines: the accelerator and
     count (given, or the cheapest whole job of the catalog among the `nameable` slugs: those the engine can
@@ -355,7 +376,7 @@ def plan_job(
             "or another --gpu"
         )
     alternatives = tuple(c for c in choices[1:TOP_CHOICES] if c.fits and c.nodes == best.nodes)
-    time_limit = int(math.ceil((best.wall_s * TIME_MARGIN.value + STARTUP_S.value) / 60) * 60)
+    time_limit = time_limit_s or int(math.ceil((best.wall_s * TIME_MARGIN.value + STARTUP_S.value) / 60) * 60)
     cpus = cpus_per_node or (best.per_node * int(CPUS_PER_GPU.value) if not on_cpu else best.per_node)
     host = mem_per_node_gib or math.ceil(HOST_MEMORY.value * best.per_node * memory / 2**30 + 8)
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -14,7 +14,7 @@ from pathlib import Path
 from gpuwise import __version__
 from gpuwise.errors import GpuwiseError
 from gpuwise.launch.engines import K8S_PRODUCT, STATE_TIMEOUT_S, Engine, Options, dump_yaml, run_client
-from gpuwise.launch.job import RDZV_PORT, Job
+from gpuwise.launch.job import SHUTDOWN_GRACE_S, Job
 
 MOUNT = "/gpuwise-runs"
 RETRIES = 3  # pods replaced after a failure (each resumes the run), then the Job fails
@@ -36,7 +36,7 @@ class Kubernetes(Engine):
         run_dir = f"{MOUNT}/{Path(job.run_dir).name}"
         moved = job.moved(run_dir)
         head = f"{job.name}-0.{job.name}"  # pod 0's name under the headless Service (the Job's subdomain)
-        script = moved.node_script("python", "$JOB_COMPLETION_INDEX", head, job.name)
+        script = moved.node_script(opts.python, "$JOB_COMPLETION_INDEX", head, job.name)
         limits: dict = {"cpu": str(job.cpus_per_node), "memory": f"{job.mem_per_node_gib}Gi"}
         selector: dict = {}
         if job.accelerator == "cuda":
@@ -62,7 +62,7 @@ class Kubernetes(Engine):
                     "clusterIP": "None",
                     "publishNotReadyAddresses": True,  # pod 0 must resolve before any pod is ready
                     "selector": {"gpuwise/job": job.name},
-                    "ports": [{"name": "rendezvous", "port": RDZV_PORT}],
+                    "ports": [{"name": "rendezvous", "port": job.rdzv_port}],
                 },
             }
         )
@@ -71,17 +71,16 @@ class Kubernetes(Engine):
             "spec": {
                 "subdomain": job.name,
                 "restartPolicy": "Never",
+                # TERM (a deleted or preempted pod): time to finish the step and write the checkpoint
+                "terminationGracePeriodSeconds": SHUTDOWN_GRACE_S + 30,
                 **({"nodeSelector": selector} if selector else {}),
                 "containers": [
                     {
                         "name": "train",
                         "image": opts.image or f"gpuwise:{__version__}",
                         "command": ["bash", "-c", script],
-                        "env": [
-                            {"name": "OMP_NUM_THREADS", "value": str(job.threads)},
-                        ],
                         "resources": {"limits": limits, "requests": limits},
-                        "ports": [{"containerPort": RDZV_PORT, "name": "rendezvous"}],
+                        "ports": [{"containerPort": job.rdzv_port, "name": "rendezvous"}],
                         "volumeMounts": [
                             {"name": "runs", "mountPath": MOUNT},
                             {"name": "shm", "mountPath": "/dev/shm"},
@@ -114,10 +113,13 @@ class Kubernetes(Engine):
     def render(self, job: Job, opts: Options) -> str:
         return f"# {job.headline()}\n# kubectl apply -f this file\n" + dump_yaml(self.manifests(job, opts))
 
-    def submit(self, artifact: Path, job: Job, opts: Options) -> str:
-        kubectl = self.need_client()
+    def preflight(self, job: Job, opts: Options) -> None:
         if not opts.image:
             raise GpuwiseError("--submit to Kubernetes needs --image: a container image with gpuwise installed")
+        self.need_client()
+
+    def submit(self, artifact: Path, job: Job, opts: Options) -> str:
+        kubectl = self.need_client()
         ns = ["-n", opts.namespace] if opts.namespace else []
         run_client([kubectl, *ns, "apply", "-f", str(artifact)], "kubectl apply")
         return job.name
@@ -126,7 +128,10 @@ class Kubernetes(Engine):
         kubectl = self.need_client()
         ns = ["-n", data["namespace"]] if data.get("namespace") else []
         out = run_client([kubectl, *ns, "get", "job", job_id, "-o", "json"], "kubectl get job", timeout=STATE_TIMEOUT_S)
-        status = json.loads(out).get("status", {})
+        try:
+            status = json.loads(out).get("status", {})
+        except (ValueError, AttributeError):
+            raise GpuwiseError(f"kubectl get job {job_id}: not the JSON of a Job") from None
         for cond in status.get("conditions", []):
             if cond.get("status") == "True" and cond.get("type") in ("Complete", "Failed", "Suspended"):
                 return str(cond["type"]).upper()

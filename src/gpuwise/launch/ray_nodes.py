@@ -1,7 +1,7 @@
 """The driver of a gpuwise Ray job (`gpuwise launch ray`), run by Ray on the cluster:
 
     python -m gpuwise.launch.ray_nodes --nodes N --per-node P --cpus C [--gpus G --accelerator-type NAME]
-        --threads T --job-id ID -- train WORKLOAD ... --run-dir RUN
+        --threads T --job-id ID [--port P] -- train WORKLOAD ... --run-dir RUN
 
 One placement-group bundle per node, on distinct nodes (STRICT_SPREAD), holds that node's GPUs and CPUs;
 a task in each runs the node's torchrun, with the rendezvous on the first bundle's node. Ray places and
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import subprocess
 import sys
 
@@ -53,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=0)
     p.add_argument("--accelerator-type")
     p.add_argument("--job-id", required=True)
+    p.add_argument("--port", type=int, default=29500)
     p.add_argument("train", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     train = args.train[1:] if args.train[:1] == ["--"] else args.train
@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     at = lambda i: PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)  # noqa: E731
     head = ray.get(node_address.options(scheduling_strategy=at(0)).remote())
     # sys.executable: the cluster's Python, the one running this driver, runs torchrun on every node
-    python = shlex.quote(sys.executable)
-    script = node_script(train, args.nodes, args.per_node, python, "$GPUWISE_NODE_RANK", "$GPUWISE_HEAD", args.job_id)
+    script = node_script(train, args.nodes, args.per_node, sys.executable, "$GPUWISE_NODE_RANK", "$GPUWISE_HEAD",
+                         args.job_id, port=args.port, threads=args.threads)  # fmt: skip
     plain = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
     runs = [
         run_node.options(num_cpus=args.cpus, num_gpus=args.gpus, resources=plain, scheduling_strategy=at(i)).remote(
@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         for i in range(args.nodes)
     ]
-    return max(ray.get(runs))
+    codes = ray.get(runs)
+    # A node killed by a signal returns a negative code: any non-zero one fails the job.
+    return next((1 if rc < 0 else rc for rc in codes if rc), 0)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,18 @@ def _client(address: str):
         ) from None
 
 
+def _reachable(address: str) -> None:
+    """Ray's client retries an unreachable address for minutes; `gpuwise runs` asks with a short timeout first."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(address if "://" in address else f"http://{address}")
+    try:
+        socket.create_connection((url.hostname or "127.0.0.1", url.port or 8265), timeout=STATE_TIMEOUT_S).close()
+    except OSError as e:
+        raise GpuwiseError(f"no Ray cluster answers at {address} ({e.strerror or e})") from None
+
+
 class Ray(Engine):
     name, suffix, client = "ray", ".ray-job.json", "ray"
     install = "pip install 'ray[default]'"
@@ -54,7 +66,7 @@ class Ray(Engine):
 
         c = job.choice
         layout = ["--nodes", str(c.nodes), "--per-node", str(c.per_node), "--cpus", str(job.cpus_per_node),
-                  "--threads", str(job.threads), "--job-id", job.name]  # fmt: skip
+                  "--threads", str(job.threads), "--job-id", job.name, "--port", str(job.rdzv_port)]  # fmt: skip
         if job.accelerator == "cuda":
             layout += ["--gpus", str(c.per_node), "--accelerator-type", RAY_NAME[c.gpu]]
         return {
@@ -111,7 +123,9 @@ class Ray(Engine):
             )
 
     def state(self, job_id: str, data: dict) -> str:
-        client = _client(data.get("address") or DEFAULT_ADDRESS)
+        address = data.get("address") or DEFAULT_ADDRESS
+        _reachable(address)
+        client = _client(address)
         try:
             return str(client.get_job_status(job_id).value)
         except Exception as e:  # noqa: BLE001

@@ -19,6 +19,7 @@ from gpuwise.launch.job import Job
 MOUNT = "/gpuwise-runs"  # where the bucket holding the run directories is mounted on every node
 INPUTS = "/gpuwise-inputs"  # where the local files the train command names are copied on every node
 LOCAL_PATHS = ("--data", "--init-from", "--base")  # train options that may name a file or folder here
+PROVISION_TIMEOUT_S = 1800  # finding and starting the nodes (and a managed job's controller) before it runs
 RECOVERY_RESTARTS = 3  # a managed job restarted after this many failures of its own (not preemptions) stops
 
 
@@ -70,6 +71,11 @@ class SkyPilot(Engine):
                 "a managed job outlives its nodes: give --bucket NAME for the run directory, or it is lost with "
                 "them on a preemption"
             )
+        if job.choice.nodes > 1 and not opts.bucket:
+            raise GpuwiseError(
+                f"{job.choice.nodes} nodes need one run directory they all see: give --bucket NAME (each VM's own "
+                "disk would hold a part of it)"
+            )
 
     def task(self, job: Job, opts: Options) -> dict:
         choices = (job.choice, *job.alternatives)
@@ -83,26 +89,28 @@ class SkyPilot(Engine):
             resources["job_recovery"] = {"strategy": "FAILOVER", "max_restarts_on_errors": RECOVERY_RESTARTS}
         else:
             resources["autostop"] = opts.autostop_min  # idle minutes before the cluster stops (and stops billing)
-        run_dir = node_run_dir(job) if opts.bucket else job.run_dir
+        # Without a bucket the run stays on the VM, in the task's working directory (`sky rsync-down` fetches it).
+        run_dir = node_run_dir(job) if opts.bucket else f"gpuwise-runs/{Path(job.run_dir).name}"
         moved, inputs = carried(job.moved(run_dir))
         task: dict = {
             "name": job.name,
             "num_nodes": job.choice.nodes,
             "resources": resources,
-            "envs": {"GPUWISE_RUN_DIR": run_dir, "OMP_NUM_THREADS": str(job.threads)},
+            "envs": {"GPUWISE_RUN_DIR": run_dir},
         }
         tree = source_tree()
         if tree is not None:
             task["workdir"] = str(tree)
         mounts: dict = dict(inputs)  # SkyPilot copies each local path to its place on every node
         if opts.bucket:
-            mounts[MOUNT] = {"name": opts.bucket, "mode": "MOUNT"}
+            # MOUNT_CACHED: checkpoints are written locally and uploaded; a plain FUSE mount cannot rename them.
+            mounts[MOUNT] = {"name": opts.bucket, "mode": "MOUNT_CACHED"}
         if mounts:
             task["file_mounts"] = mounts
         task["setup"] = opts.setup or default_setup()
         head = '$(echo "$SKYPILOT_NODE_IPS" | head -n1)'
         task["run"] = moved.node_script(
-            "python", "$SKYPILOT_NODE_RANK", head, "$SKYPILOT_TASK_ID", "$SKYPILOT_NUM_NODES"
+            opts.python, "$SKYPILOT_NODE_RANK", head, "$SKYPILOT_TASK_ID", "$SKYPILOT_NUM_NODES"
         ).replace(f"--nproc-per-node={job.choice.per_node}", "--nproc-per-node=$SKYPILOT_NUM_GPUS_PER_NODE")
         return task
 
@@ -116,9 +124,12 @@ class SkyPilot(Engine):
     def submit(self, artifact: Path, job: Job, opts: Options) -> str:
         sky = self.need_client()
         if opts.managed:
-            run_client([sky, "jobs", "launch", "-y", "-n", job.name, str(artifact)], "sky jobs launch")
+            # -d: return once the job is submitted (the logs would stream until it ends)
+            run_client([sky, "jobs", "launch", "-d", "-y", "-n", job.name, str(artifact)], "sky jobs launch",
+                       timeout=PROVISION_TIMEOUT_S)  # fmt: skip
         else:
-            run_client([sky, "launch", "-y", "-c", job.name, str(artifact)], "sky launch", timeout=3600)
+            run_client([sky, "launch", "-d", "-y", "-c", job.name, str(artifact)], "sky launch",
+                       timeout=PROVISION_TIMEOUT_S)  # fmt: skip
         return job.name
 
     def state(self, job_id: str, data: dict) -> str:

@@ -14,9 +14,13 @@ from pathlib import Path
 
 from gpuwise.errors import GpuwiseError
 from gpuwise.launch.engines import STATE_TIMEOUT_S, Engine, Options, run_client
-from gpuwise.launch.job import Job
+from gpuwise.launch.job import SHUTDOWN_GRACE_S, Job
 
-SIGNAL_AHEAD_S = 120  # time for the step to end and the checkpoint to be written before the limit
+# srun passes no --cpus-per-task of the job to its step on Slurm 22.05-23.02: said again, or the step gets one CPU.
+SRUN = 'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" '
+# USR1 this long before the limit: Slurm checks signals about once a minute, then the processes get
+# SHUTDOWN_GRACE_S to end their step and write the checkpoint.
+SIGNAL_AHEAD_S = SHUTDOWN_GRACE_S + 90
 
 
 def hms(seconds: int) -> str:
@@ -30,6 +34,12 @@ def hms(seconds: int) -> str:
 class Slurm(Engine):
     name, suffix, client = "slurm", ".sbatch", "sbatch"
     install = "install Slurm's clients (Debian: apt-get install slurm-client) and point SLURM_CONF at your cluster"
+
+    def check(self, job: Job, opts: Options) -> None:
+        super().check(job, opts)
+        # #SBATCH lines are not read by a shell: no quoting, and '%' is a file-name pattern there.
+        if any(ch.isspace() or ch == "%" for ch in job.run_dir):
+            raise GpuwiseError(f"--run-dir {job.run_dir}: Slurm's --output cannot hold a space or '%'; choose another")
 
     def render(self, job: Job, opts: Options) -> str:
         c = job.choice
@@ -63,7 +73,7 @@ class Slurm(Engine):
             # No --node-rank: srun starts the command without a shell, so no per-node variable reaches it; c10d
             # rendezvous numbers the nodes itself.
             job.node_script(opts.python, None, "$HEAD", "$SLURM_JOB_ID", "$SLURM_JOB_NUM_NODES",
-                            launcher="srun --kill-on-bad-exit=1 ").rstrip("\n")  # fmt: skip
+                            launcher=SRUN).rstrip("\n")  # fmt: skip
             + " &",
             "step=$!",
             "while :; do",
@@ -98,7 +108,12 @@ class Slurm(Engine):
 
     def state(self, job_id: str, data: dict) -> str:
         # scontrol knows a job until MinJobAge after it ends; sacct, where accounting is kept, after that.
-        out = run_client(["scontrol", "-o", "show", "job", job_id], "scontrol", timeout=STATE_TIMEOUT_S)
+        try:
+            out = run_client(["scontrol", "-o", "show", "job", job_id], "scontrol", timeout=STATE_TIMEOUT_S)
+        except GpuwiseError:
+            accounted = run_client(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State"], "sacct",
+                                   timeout=STATE_TIMEOUT_S).split()  # fmt: skip
+            return accounted[0] if accounted else "UNKNOWN"
         found = re.search(r"JobState=(\S+)", out)
         return found.group(1) if found else "UNKNOWN"
 

@@ -33,8 +33,10 @@ def status(record: LaunchRecord) -> dict[str, Any]:
     engine = engines().get(record.engine)
     try:
         state = engine.state(record.job_id, record.engine_options) if engine else "UNKNOWN"
-    except GpuwiseError as e:
-        state = f"unknown ({e})"
+    except Exception as e:  # noqa: BLE001 - an engine's client answering oddly: the row says so, the list goes on
+        from gpuwise.errors import first_line
+
+        state = f"unknown ({e if isinstance(e, GpuwiseError) else first_line(e)})"
     out: dict[str, Any] = {"state": state}
     try:
         summary = summary_of(record.run_dir)
