@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Collection
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -155,9 +155,6 @@ class Job:
                 "host_memory": HOST_MEMORY.origin,
             },
         }
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     def moved(self, run_dir: str) -> Job:
         """The same job with its run directory where the nodes see it (a bucket or volume mount)."""

@@ -525,8 +525,8 @@ def build(cfg, run_dir: Path) -> Training:
         loss,
         evaluate,
         save,
-        # 40 epochs: 87.0-88.1 % accuracy at 0.5 over seeds 0-2, ~3 min of training on 2 Zen 5 cores (docs/quality.md,
-        # defects quality); multiscale's and ensemble's epochs are their parts' (`epochs`)
+        # 40 epochs: as good as 50 at less cost (docs/quality.md, defects); multiscale's and
+        # ensemble's epochs are their parts' (`epochs`)
         defaults={"batch_size": 32, "lr": 2e-3} | ({} if len(sizes) > 1 else {"epochs": 40}),
         baseline=baseline,
         info=info,
