@@ -264,7 +264,7 @@ class TracedPlan(Result):
 
 
 class DevicePeak(Result):
-    """A device's physical peaks, as a fraction of which bench reports what it measured."""
+    """A device's physical peaks: bench reports each of its figures as a fraction of them."""
 
     name: str = Field(description="the device's name")
     slug: str | None = Field(None, description="catalog slug (GPUs in the catalog)")
@@ -330,7 +330,7 @@ class HostDevice(Result):
 
 
 class DeviceBench(Result):
-    """Everything measured on one device."""
+    """Everything bench ran on one device."""
 
     key: str = Field(description="the device as the run record names it: cpu:<model> or cuda:<slug or name>")
     peak: DevicePeak = Field(description="the device's peaks")
@@ -365,7 +365,7 @@ class GpuBenchProjection(Result):
     """What the catalog says a GPU would do on the same tests: projections, never measurements."""
 
     peak: DevicePeak = Field(description="the GPU as the catalog has it")
-    projected: bool = Field(True, description="always true: not measured")
+    projected: bool = Field(True, description="always true: projected from the catalog, not run")
     matmul: dict[str, ProjectedRate] = Field(default_factory=dict, description="per dtype")
     workloads: dict[str, ProjectedWorkload] = Field(default_factory=dict, description="per workload with a basis")
     bandwidth: ProjectedBandwidth = Field(description="memory bandwidth")
@@ -384,7 +384,7 @@ class BenchResult(Result):
     size: str = Field(description="quick or full")
     torch: str = Field(description="torch version")
     threads: int = Field(description="torch's CPU threads")
-    devices: dict[str, DeviceBench] = Field(description="per device measured (cpu, cuda:0, ...)")
+    devices: dict[str, DeviceBench] = Field(description="per device benchmarked (cpu, cuda:0, ...)")
     projections: dict[str, GpuBenchProjection] | None = Field(
         None, description="catalog GPUs projected when no GPU is here, per slug"
     )
@@ -399,7 +399,7 @@ class BenchResult(Result):
 
 
 class Baseline(Result):
-    """What the run is measured against: the workload's baseline model, or the model before training. Its
+    """What the run is compared against: the workload's baseline model, or the model before training. Its
     metric keys are the workload's (as in `eval`); a workload may add more under `also` (name -> metrics)."""
 
     model_config = ConfigDict(extra="allow")
@@ -452,11 +452,11 @@ class TrainPlan(Result):
 
 
 class Measured(Result):
-    """What the run measured, against the plan."""
+    """What the run recorded, against the plan."""
 
-    peak_bytes: int | None = Field(None, description="measured peak memory, bytes (tensors, as the plan counts)")
+    peak_bytes: int | None = Field(None, description="the run's peak memory, bytes (tensors, as the plan counts)")
     step_time_s: Number | None = Field(None, description="median seconds per step after the first")
-    method: str | None = Field(None, description="how memory was measured")
+    method: str | None = Field(None, description="how peak memory was counted")
     process_peak_bytes: int | None = Field(
         None,
         description="CPU: the process's resident high-water growth over the steps plus the weights, which also "
@@ -494,7 +494,7 @@ class TrainSummary(Result):
     epochs: Number = Field(description="passes over the training set")
     final_loss: Number | None = Field(None, description="training loss of the last step")
     eval: dict[str, Any] = Field(description="held-out metrics, by the workload's own keys")
-    baseline: Baseline = Field(default_factory=Baseline, description="what the run is measured against")
+    baseline: Baseline = Field(default_factory=Baseline, description="what the run is compared against")
     throughput: Throughput = Field(default_factory=Throughput, description="training speed")
     mfu: Number | None = Field(None, description="model FLOPs utilization: counted FLOP/s over the peak")
     peak_flops: PeakFlops = Field(default_factory=PeakFlops, description="the peak the MFU is a fraction of")
@@ -507,7 +507,7 @@ class TrainSummary(Result):
     accumulation: int = Field(description="micro-batches per optimizer step and process")
     oom_events: list[OomEvent] = Field(default_factory=list, description="out-of-memory steps and the retries")
     plan: TrainPlan = Field(default_factory=TrainPlan, description="the estimates made before training")
-    actual: Measured = Field(default_factory=Measured, description="what was measured")
+    actual: Measured = Field(default_factory=Measured, description="what the run recorded")
     estimate_error: EstimateError = Field(default_factory=EstimateError, description="(plan - actual) / actual")
     data: dict[str, Any] = Field(default_factory=dict, description="the workload's description of data and model")
     files: list[str] = Field(default_factory=list, description="files the trained model was saved to")

@@ -45,7 +45,7 @@ def draw(result: dict, path: Path) -> Path:
         ax.set_title(title)
         ax.grid(axis="y", which="both", alpha=0.3)
     axes[0].legend(fontsize=8, loc="upper left")
-    fig.suptitle(f"gpuwise bench ({result['size']}): measured on this machine; hatched bars are catalog projections")
+    fig.suptitle(f"gpuwise bench ({result['size']}): timed on this machine; hatched bars are catalog projections")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,5 +1,5 @@
 """Macro benchmarks: one training step of a workload's model (`Workload.bench_step`) at a fixed size, on
-synthetic inputs of the real shapes (data loading is not what is measured here), in the precision
+synthetic inputs of the real shapes (data loading is not what is timed here), in the precision
 `gpuwise train` would pick on the device (bf16 autocast on a bf16 GPU or a CPU with bf16 instructions, else fp32)."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def throughput(
     with counter:
         step()
     # Two more steps untimed: the first steps after the model's allocation also fault in the memory the
-    # allocator then keeps (a quick bench's median of 3 read 82 to 112 ms for one 80 ms step without them).
+    # allocator then keeps, which would inflate a quick bench's median of 3.
     for _ in range(2):
         step()
     times: list[float] = []

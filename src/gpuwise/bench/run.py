@@ -1,4 +1,4 @@
-"""`gpuwise bench`: CPU vs GPU, measured, each figure as a fraction of the device's physical peak.
+"""`gpuwise bench`: CPU vs GPU, timed, each figure as a fraction of the device's physical peak.
 
 On a CPU-only machine the GPU column is a projection from the catalog, marked as such, never mixed
 with measurements.
@@ -169,7 +169,7 @@ def project_gpu(slug: str, catalog: Catalog, cpu: dict) -> dict:
     out["bandwidth"] = {"triad_gbs": acc.mem_bw_gbs, "basis": "catalog peak (an upper bound)"}
     for name, r in cpu["workloads"].items():
         if not get(name).convolutional or slug not in LAMBDA_RESNET50:
-            # No measured rate to project from: PaLM's 46 % is a large model's figure, far above what a
+            # No published rate to project from: PaLM's 46 % is a large model's figure, far above what a
             # small LM sustains, and a ranking model's step is memory-bound lookups.
             continue
         rate, basis = LAMBDA_RESNET50[slug][1] * RESNET50_TRAIN_FLOPS, LAMBDA_SOURCE

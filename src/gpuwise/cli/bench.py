@@ -82,7 +82,7 @@ def bench(
     catalog: CatalogOpt = None,
     as_json: JsonOpt = False,
 ):
-    """CPU vs GPU, measured: matmul per dtype, memory bandwidth, host<->device copies and a training
+    """CPU vs GPU, timed: matmul per dtype, memory bandwidth, host<->device copies and a training
     step of each workload, each as a fraction of the device's peak; a PNG chart beside the JSON."""
     from gpuwise.bench.chart import draw
     from gpuwise.bench.run import parse_devices, run_bench
@@ -112,7 +112,7 @@ def bench(
         result = run_bench(device, quick, cat, lambda msg: spinner.update(msg), workload, precision)
     try:
         png = draw(result.dump(), out / "bench.png")
-    except OSError as e:  # a full disk, or the directory removed while we measured
+    except OSError as e:  # a full disk, or the directory removed while bench ran
         raise GpuwiseError(f"cannot write {out / 'bench.png'}: {e.strerror}") from None
     result.files = BenchFiles.build({"json": str(out / "bench.json"), "png": str(png)})
     from gpuwise.files import to_json
@@ -124,7 +124,7 @@ def bench(
         for r in result.devices.values():  # what plan and train use for this device from now on
             fractions = {f"matmul.{k}": m.fraction_of_peak for k, m in r.matmul.items()}
             # Keyed by the precision the step ran at: a bf16 step's share of peak plans an fp32 run badly
-            # (measured: +36 %). A step torch counts no FLOPs in (embedding lookups) is timed per sample and
+            # (docs/plan.md). A step torch counts no FLOPs in (embedding lookups) is timed per sample and
             # per parameter; one it counts FLOPs in, per step and per FLOP.
             for k, w in r.workloads.items():
                 timed = {"s_per_sample": w.s_per_sample, "s_per_param": w.s_per_param, "s_per_step": w.s_per_step}
@@ -136,7 +136,7 @@ def bench(
             rundb.calibrate(r.key, fractions, result.record_id)
     try:
         (out / "bench.json").write_text(to_json(result.dump(), indent=2) + "\n")
-    except OSError as e:  # a full disk, or the directory removed while we measured
+    except OSError as e:  # a full disk, or the directory removed while bench ran
         raise GpuwiseError(f"cannot write {out / 'bench.json'}: {e.strerror}") from None
     if as_json:
         emit(result.dump())

@@ -78,7 +78,7 @@ def show(record_id: Annotated[int, typer.Argument(help="A record id from `gpuwis
 
 @app.command()
 def compare(as_json: JsonOpt = False) -> None:
-    """The error of every estimate over all recorded training runs: (estimate - measured) / measured."""
+    """The error of every estimate over all recorded training runs: (estimate - actual) / actual."""
     from gpuwise.runs import db
 
     rows = db.compare()

@@ -199,12 +199,10 @@ def retain_freed_memory() -> bool:
     """Keep the memory torch frees on the CPU inside the process, as CUDA's caching allocator does.
 
     glibc hands every block above its mmap threshold straight back to the kernel, so each training
-    step maps its activations afresh and page-faults them in: 90 MB and ~22,000 faults a step for
-    the solar-cell CNN at batch 16. On this VM (Firecracker) that made the step 0.29-0.31 s instead of
-    0.21 s, and it moved with the host's memory state by up to 40 % between processes, which the
-    plan cannot know. With mmap off and no trimming the same step faults zero pages and the peak
-    resident set is lower (496 vs 523 MB): `python benchmarks/cpu_allocator.py` measures both side by
-    side. A no-op off glibc."""
+    step maps its activations afresh and page-faults them in: slower, and by however much the host's
+    memory state allows, which the plan cannot know. With mmap off and no trimming a step faults no
+    pages and the peak resident set is lower (`benchmarks/cpu_allocator.py`; docs/benchmarks.md).
+    A no-op off glibc."""
     libc = _glibc()
     if libc is None:
         return False

@@ -76,7 +76,7 @@ def plan_warnings(model: ModelSpec, req: r.PlanRequest, options: list[Plan], cat
     if best and best.efficiency_origin == r.EFFICIENCY.origin:
         out.append(
             f"the time rests on the default efficiency {r.EFFICIENCY.value} of dense peak (PaLM's MFU); "
-            "pass --efficiency with a value measured on your stack"
+            "pass --efficiency with the share of peak your stack reaches"
         )
     return out
 

@@ -91,7 +91,7 @@ def compute(
         return None
     if req.efficiency is not None:
         eff, eff_origin = req.efficiency, "--efficiency"
-    else:  # a fraction gpuwise bench measured on this kind of card beats the published default
+    else:  # a fraction gpuwise bench calibrated on this kind of card beats the published default
         eff, eff_origin = calibrated or (EFFICIENCY.value, EFFICIENCY.origin)
     peak = peak_tflops * 1e12
     tokens, tokens_origin = job_tokens(model, req)

@@ -306,8 +306,8 @@ def from_hf_config(path: Path) -> ModelSpec:
 # Only that header is read, by plain reads in pieces of at most 1 MiB: the weights are never touched, and a file
 # that shrinks while it is read ends the read early ("truncated"), where a memory map would kill the process with
 # SIGBUS. gguf.GGUFReader reads the same header but memory-maps the file and builds a NumPy view of every string
-# of the tokenizer (about 5 s for a 49 k vocabulary on two cores, more for a 128 k one); this reader skips what
-# it does not need, without NumPy, in milliseconds. tests/test_open_models.py holds the two readers to the same
+# of the tokenizer (seconds for a 49 k vocabulary: docs/benchmarks.md); this reader skips what it does not
+# need, without NumPy, in milliseconds. tests/test_open_models.py holds the two readers to the same
 # answer on the real file.
 #
 # The file is not trusted (tests/test_kernel_gguf_untrusted.py): every count and length is checked against the
@@ -453,8 +453,8 @@ class _GGUFHeader:
 
     def skip_strings(self, n: int) -> None:
         """Skip n strings (a tokenizer's list: 100 k of them), each a length then its bytes, never decoded.
-        The loop runs on locals over what is read: the worst a 64 MiB header holds, 8 M empty strings, took 4 s
-        on two busy cores."""
+        The loop runs on locals over what is read, so the worst a 64 MiB header holds (8 M empty strings) takes
+        seconds, not minutes."""
         import struct
 
         length = struct.Struct("<Q").unpack_from

@@ -109,8 +109,8 @@ def module_factory(spec: str):
 MAX_TRACED_LAYERS = 256
 # torch counts a tensor's elements in a signed 64-bit integer, even for a fake tensor.
 MAX_ELEMENTS = 2**62
-# The fake process group costs milliseconds per rank to set up and shard over (131,072 ranks ran past five
-# minutes); the analytic sweep stops at 4096 GPUs as well, and FSDP past that is run hybrid-sharded.
+# The fake process group costs milliseconds per rank to set up and shard over, so a six-figure rank count
+# takes minutes; the analytic sweep stops at 4096 GPUs as well, and FSDP past that is run hybrid-sharded.
 MAX_TRACED_SHARDS = 4096
 
 

@@ -1,4 +1,4 @@
-"""The record: every plan, bench and training run in one SQLite file, and the calibration bench measured.
+"""The record: every plan, bench and training run in one SQLite file, and the calibration bench leaves.
 
 SQLite in WAL mode with a busy timeout: two runs that finish at once both land (each write is one
 short transaction). Default location: the user's data directory; ``--db`` or GPUWISE_DB override it.
@@ -44,7 +44,7 @@ CREATE TABLE IF NOT EXISTS records (
 CREATE TABLE IF NOT EXISTS calibration (
     device TEXT NOT NULL,
     key TEXT NOT NULL,           -- matmul.<dtype> or workload.<name>
-    fraction REAL NOT NULL,      -- achieved / dense peak, as gpuwise bench measured it
+    fraction REAL NOT NULL,      -- achieved / dense peak, as gpuwise bench timed it
     record_id INTEGER NOT NULL REFERENCES records(id),
     updated TEXT NOT NULL,
     PRIMARY KEY (device, key)
@@ -161,7 +161,7 @@ def calibrate(device: str, fractions: Mapping[str, float | None], record_id: int
 
 
 def _usable(value) -> bool:
-    """A measured fraction or time worth planning with: a noisy fit can come out negative, a failed one nan."""
+    """A calibrated fraction or time worth planning with: a noisy fit can come out negative, a failed one nan."""
     return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
@@ -174,7 +174,7 @@ def workload_key(workload: str, precision: str) -> str:
 
 
 def calibration(device: str, key: str, path: Path | None = None) -> tuple[float, str] | None:
-    """(value, origin) measured by gpuwise bench for this device, or None. The value is a fraction of
+    """(value, origin) of gpuwise bench's calibration for this device, or None. The value is a fraction of
     peak, except under keys ending in `.s_per_sample`, `.s_per_param` and `.s_per_step` (seconds of a
     workload's step per sample, per trainable parameter and per step)."""
     target = Path(path) if path else default_path()
@@ -238,7 +238,7 @@ def load_data(row: dict[str, Any], kind: type[R], path: Path | None = None) -> R
 
 
 def compare(path: Path | None = None) -> list[dict[str, Any]]:
-    """Every training run's estimates against what it measured: signed (estimate - measured) / measured."""
+    """Every training run's estimates against what it recorded: signed (estimate - actual) / actual."""
     out = []
     for r in rows("train", path):
         summary = load_data(r, TrainSummary, path)
@@ -254,7 +254,7 @@ def compare(path: Path | None = None) -> list[dict[str, Any]]:
 
 
 def calibration_map(path: Path | None = None) -> dict[tuple[str, str], tuple[float, str]]:
-    """{(catalog slug, key): (fraction, origin)} for the GPUs bench has measured: what `plan` uses."""
+    """{(catalog slug, key): (fraction, origin)} for the GPUs bench has run on: what `plan` uses."""
     target = Path(path) if path else default_path()
     if not target.exists():
         return {}

@@ -58,7 +58,7 @@ class Info(BaseModel):
     max_wait_ms: float
     limits: dict
     steps: int | None = Field(None, description="optimizer steps the served run was trained for (its summary.json)")
-    eval: dict = Field(default_factory=dict, description="the run's held-out metrics, as `gpuwise train` measured them")
+    eval: dict = Field(default_factory=dict, description="the run's held-out metrics, as `gpuwise train` scored them")
 
 
 def _error(status: int, message: str, **headers) -> JSONResponse:

@@ -2,23 +2,19 @@
 kernel (kernels/decode_attention.cpp) built here on first use.
 
 Why by hand: PyTorch's CPU attention (`scaled_dot_product_attention`, its flash kernel) is built for prompts,
-many queries against many keys. A decode step has one query per sequence (three per key/value head with
-SmolLM2's grouped queries), and there it spent 0.6 ms a layer at batch 32 on 2 AMD EPYC cores (Zen 5,
-AVX-512), 35 % of a bf16 decode step (51 ms; 33 ms with attention left out). The kernel takes a sequence at a
-time: each position's keys and values, every head's, are contiguous in the cache and read once, for all the
-query heads that share them, into fp32 registers. On the same calls it ran 3.0-3.9x SDPA's speed at batch
-32 in bf16, 2.0-2.4x in fp32, 0.94-1.45x at batch 1 (`benchmarks/decode_attention.py`), and a bf16 decode
-step of SmolLM2 at batch 32 took 46.6 ms against 59.1 (67-97-token sequences, one process, interleaved). It
-is within one rounding of fp32 attention (tests/test_decode_attention.py). No library offers this for
-PyTorch's CPU tensors: IPEX, which had one, is retired.
+many queries against many keys; at one query a sequence it is a large share of a decode step, and no library
+offers a decode kernel for PyTorch's CPU tensors (IPEX, which had one, is retired). The kernel takes a sequence
+at a time: each position's keys and values, every head's, are contiguous in the cache and read once, for all
+the query heads that share them, into fp32 registers. It is within one rounding of fp32 attention
+(tests/test_decode_attention.py); its speed against SDPA is in docs/serving.md ("Decode attention on a CPU").
 
-Built with the system's C++ compiler against PyTorch's own headers and libraries (about 2 s; its parallel
-loop runs on PyTorch's thread pool), cached under gpuwise's cache directory by a hash of the source, the flags
-and the PyTorch version, in a directory of the user's own and checked against the SHA-256 recorded at build
-before it is loaded (`load`, below), then against SDPA on a small input. Where it cannot be built, loaded or
-trusted (no compiler, no AVX-512, `GPUWISE_KERNELS=0`, a cache others can write, a library that is not the one
-built, a failed self-check), `load` says why in one line and the decoder keeps SDPA; a kernel that fails a call
-later hands that decoder back to SDPA too (serve/decoder.py)."""
+Built with the system's C++ compiler against PyTorch's own headers and libraries (its parallel loop runs on
+PyTorch's thread pool), cached under gpuwise's cache directory by a hash of the source, the flags and the
+PyTorch version, in a directory of the user's own and checked against the SHA-256 recorded at build before it
+is loaded (`load`, below), then against SDPA on a small input. Where it cannot be built, loaded or trusted (no
+compiler, no AVX-512, `GPUWISE_KERNELS=0`, a cache others can write, a library that is not the one built, a
+failed self-check), `load` says why in one line and the decoder keeps SDPA; a kernel that fails a call later
+hands that decoder back to SDPA too (serve/decoder.py)."""
 
 from __future__ import annotations
 

@@ -5,33 +5,27 @@ One engine thread owns the model. Each turn of its loop it
 2. admits waiting requests while slots and the KV budget allow: they start prefilling,
 3. runs one decode step for every sequence whose prompt is in the cache (one token each) and the next chunk
    of every prompt still prefilling (left-padded, so each row's last token is the last column), in one
-   forward pass where the decoder takes both (serve/decoder.py: its weights read once), else in two; the
-   chunk's size held to what 1.5 decode steps take while others decode (below),
-5. samples, detokenizes, checks end-of-text, stop strings and max_tokens, and hands each client its
+   forward pass where the decoder takes both (serve/decoder.py: its weights read once), else in two (the
+   chunk's size below),
+4. samples, detokenizes, checks end-of-text, stop strings and max_tokens, and hands each client its
    new text (thread-safe: the client's callback puts it on its event loop's queue).
 
-Chunked prefill (Sarathi-Serve, Agrawal et al. OSDI 2024; vLLM's chunked prefill): a long prompt's forward
-would otherwise hold every running stream for its whole length. Its chunks are sized by measured time, not a
-fixed token count, so the same rule holds on any device: while others decode, a chunk adds about `chunk_ratio`
-times the recent decode steps' time (1.5: a stream's time per token about 2.5x while a long prompt prefills);
-with nobody decoding, about `solo_chunk_s` (a newcomer's wait, and the granularity of the request timeout).
-Cost is counted in token-equivalents of the linear layers, `tokens x (1 + context / crossover)`, where the
-crossover is the context at which a token's attention costs as much as its matmuls (per layer: its weights /
-(2 x heads x head dim)). Each pass's cost is steered from the last one's measured time toward the target (at
-most 2x up or down a pass), not predicted from a model of the device: a pass has a part that does not shrink
-with it (its weight reads), and a CPU's attention runs far below its matmuls' FLOP rate; FLOP counts see
-neither (docs/serving.md).
+Chunked prefill (Sarathi-Serve, Agrawal et al. OSDI 2024; vLLM's chunked prefill), so that a long prompt does
+not hold every running stream for its whole length. A chunk is sized by time, not by a token count, so the
+rule holds on any device: while others decode it adds about `chunk_ratio` times the recent decode steps'
+time; with nobody decoding it takes about `solo_chunk_s` (a newcomer's wait, and the granularity of the
+request timeout). Its cost is counted in token-equivalents, `tokens x (1 + context / crossover)`, and each
+pass's is steered from the last pass's time (at most 2x up or down a pass), not predicted from FLOPs, which
+miss a pass's fixed weight reads and a CPU's slow attention (docs/serving.md, "One long prompt stalls no one").
 
-Why not transformers' own continuous batching (`generate_batch`, `transformers serve
---continuous-batching`): this engine was never behind it at 32 streams in `benchmarks/llm_serve_load.py`
-(docs/benchmarks.md), and it also runs one LoRA adapter per row and admits by the KV budget, which
-`generate_batch` does not.
-Here the KV cache holds a row per running sequence (`SlotCache`), and recent prompts' keys and values
-are kept for the prompts that start like them (`PrefixCache`). The
-forward is transformers' own, given that cache, per-row positions and a 4-D mask, so any model
-transformers loads (Llama, Qwen2, Mistral, Gemma...) runs unchanged; or, for the Llama family and its
-LoRA adapters, the same forward fused by hand over the same cache (serve/decoder.py), which makes a third
-of the tensor-op calls per step.
+Why not transformers' own continuous batching (`generate_batch`): this engine is not behind it at 32 streams
+(docs/benchmarks.md), and it also runs one LoRA adapter per row and admits by the KV budget.
+
+The KV cache holds a row per running sequence (`SlotCache`), and recent prompts' keys and values are kept for
+the prompts that start like them (`PrefixCache`). The forward is transformers' own, given that cache, per-row
+positions and a 4-D mask, so any model transformers loads (Llama, Qwen2, Mistral, Gemma...) runs unchanged;
+or, for the Llama family and its LoRA adapters, the same forward fused by hand over the same cache
+(serve/decoder.py), which makes a third of the tensor-op calls per step.
 """
 
 from __future__ import annotations
@@ -666,9 +660,9 @@ def attention_crossover(config) -> float:
 
 def argmax_rows(logits: torch.Tensor, block: int = 128) -> torch.Tensor:
     """`logits.argmax(-1)` for [rows, vocab], the same index (the first of equal maxima, a nan first of all),
-    by blocks: the CPU's argmax reduction took 1.5-2.5 ms for 32 rows of SmolLM2's 49,152 logits here (2-3 %
-    of a decode step), its amax 0.15 ms. So: each block's max, the first block holding the row's max, the
-    first index of that max within it."""
+    by blocks, because a CPU's argmax reduction over a long row is an order of magnitude slower than its amax
+    (docs/benchmarks.md): each block's max, the first block holding the row's max, the first index of that max
+    within it."""
     rows, vocab = logits.shape
     if vocab % block or vocab < 4 * block:
         return logits.argmax(-1)

@@ -245,10 +245,10 @@ class LLM:
         if len(text) > self.limits.max_prompt_chars:
             raise ClientError(413, f"prompt: {len(text):,} characters; at most {self.limits.max_prompt_chars:,}")
 
-    # --- each request is parsed, templated and tokenized on a worker thread, not on the event loop: a 9 MB
-    # body of 300,000 messages held every other client for 4.7 s when FastAPI parsed and templated it there.
-    # Parsing holds the GIL all the same (json: about 0.2 s for 10 MB here), so a chat's message count is
-    # bounded before it is parsed, and the body's size (--max-body-mb) bounds the rest. --------------------
+    # --- each request is parsed, templated and tokenized on a worker thread, not on the event loop, where a
+    # body of many messages would hold every other client (docs/serving.md). Parsing holds the GIL all the same,
+    # so a chat's message count is bounded before it is parsed, and the body's size (--max-body-mb) bounds the
+    # rest. ---------------------------------------------------------------------------------------------------
     @staticmethod
     def _parse(kind: type[BaseModel], body: bytes):
         # In JSON text a bare "role" (unescaped quotes) is a key or a whole value, never inside a string: at

@@ -1,30 +1,18 @@
 """Linear layers whose weights are packed once for the CPU library that multiplies them, for inference.
 
-bf16, oneDNN: `F.linear` hands oneDNN a plain [out, in] weight, which oneDNN reorders into its blocked AMX /
-AVX512-BF16 layout on every call: at the small batches of decoding that reorder costs more than the product.
-Reordered once at load, SmolLM2's products ran 1.3-2.8x faster on 2 Xeon cores with AMX (batch 1 and 32), and
-a whole decode step 1.11x / 1.24x / 1.19x faster at batch 1 / 8 / 32 (`benchmarks/engine_step.py`,
-interleaved in one process), bitwise equal to `F.linear` for a contiguous input (tests/test_packed.py). The
-plain weight is dropped.
+Why: `F.linear` hands oneDNN (bf16, fp32) or MKL's GEMM (fp32) a plain [out, in] weight, which the library
+reorders into its own blocked layout on every call; at the small batches of decoding that reorder costs more
+than the product. Packed once at load, it is not repeated (docs/serving.md, "Linears packed once").
 
-fp32, oneDNN as well: the same reorder, into its AVX-512 fp32 layout. Over SmolLM2's 151 products (weights
-rotated so that none stays in cache; 2 cores of an AMD EPYC, Zen 5 with AVX-512 and no AMX; 2026-12-02) it
-took 20 / 19 / 26 / 38 ms at 1 / 4 / 8 / 32 rows, against 41 / 59 / 63 / 108 for `F.linear` (MKL's GEMM,
-which packs the weight on every call) and 29 / 68 / 66 / 109 for MKL's own packed GEMM (`cblas_sgemm_pack`,
-through `mkl::_mkl_linear`), in fp32 arithmetic (2e-6 from `F.linear`, which sums in another order: bf16's
-packed product is bitwise `F.linear`'s, fp32's is not), and with no copy beside the weight. A row's result
-does not depend on the rows beside it, but for one row against a 1536-wide input (its product then takes
-another path): within 4e-6, not the same bits.
+What it promises: in bf16 a packed product is bitwise `F.linear`'s for a contiguous input; in fp32 it may
+sum in another order (the kernel depends on the CPU), so it is within float rounding of it, and a single row
+may take another path than the same row in a batch (tests/test_packed.py). oneDNN's packing drops the plain
+weight. MKL's packed GEMM, the fp32 fallback where this PyTorch has no oneDNN, keeps it beside a packed copy
+several times its size, so `mkl_fits` packs only what takes under a quarter of the free memory, and products
+of fewer than `MKL_MIN_ROWS` rows run `F.linear` on the plain weight.
 
-MKL's packed GEMM is the fallback where this PyTorch has no oneDNN: its packed copy is 2-9x the weight (2.0 GB
-beside SmolLM2-135M's 0.54 GB of fp32 linears), so `mkl_fits` packs only what takes under a quarter of the
-free memory, and below 4 rows (0.9x `F.linear` there) the plain weight, kept, serves; the copy does not
-depend on the row count it was packed for (tests/test_packed.py checks 1-40 rows). It matched `F.linear`
-bitwise on a Xeon host, and within 1e-6 on an AMD EPYC one (MKL picks its kernel by the CPU it finds).
-
-This is what `ipex.optimize` and inductor's freezing pass do. IPEX is retired, and torch.compile took six
-minutes to compile SmolLM2-135M on this machine for a smaller gain (60-76 ms per batch-32 bf16 step, against
-52-57 ms packed), so the ops inductor emits are called directly. They are private to PyTorch
+This is what `ipex.optimize` and inductor's freezing pass do (IPEX is retired; torch.compile took minutes for
+a smaller gain), so the ops inductor emits are called directly. They are private to PyTorch
 (`torch.ops.mkldnn`, `torch.ops.mkl`): `packing` checks they are there, and nothing is packed where they are not.
 """
 
@@ -41,8 +29,8 @@ log = logging.getLogger("gpuwise.serve")
 
 ONEDNN, MKL = "oneDNN", "MKL"
 
-# Products of fewer rows run F.linear on the plain weight: MKL's packed product was 0.9x it at 1-3 rows and
-# 1.5-2.2x at 4-8 (SmolLM2-135M's 151 products, 2 Xeon cores, weights rotated so that none stays in cache).
+# Products of fewer rows run F.linear on the plain weight: below 4 rows MKL's packed product is the slower of
+# the two (docs/benchmarks.md).
 MKL_MIN_ROWS = 4
 
 

@@ -162,7 +162,7 @@ def run_detail(key: str, runs_dir: Path) -> dict[str, Any]:
 
 
 def bench_rows() -> list[dict[str, Any]]:
-    """Every `gpuwise bench` record, newest first: per device and dtype, measured against peak."""
+    """Every `gpuwise bench` record, newest first: per device and dtype, as a fraction of peak."""
     from gpuwise.runs import db
 
     if not db.default_path().exists():

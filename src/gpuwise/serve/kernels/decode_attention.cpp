@@ -1,5 +1,5 @@
 // Attention of one new token per sequence over its cached keys and values (a decode step), for CPUs with
-// AVX-512. Built and loaded by serve/attention.py, which says why it exists and what it measured.
+// AVX-512. Built and loaded by serve/attention.py, which says why it exists; docs/serving.md has its speed.
 //
 // q:   [n, H, D] (strided: row q_sn, head q_sh; D contiguous), in T (float or bfloat16)
 // k, v: one layer of the slot cache, row i's position l of key/value head h at i*c_sn + l*c_sl + h*c_sh

@@ -359,7 +359,7 @@ function plannedVsActual(s) {
       s.actual.step_time_s == null ? "-" : `${(1e3 * s.actual.step_time_s).toFixed(1)} ms`, s.estimate_error.step_time_s],
   ];
   return el("table", { id: "planactual" },
-    el("thead", {}, el("tr", {}, ["", "planned", "measured", "error"].map((t) => el("th", { text: t })))),
+    el("thead", {}, el("tr", {}, ["", "planned", "actual", "error"].map((t) => el("th", { text: t })))),
     el("tbody", {}, rows.map(([n, p, a, e]) => el("tr", {}, el("td", { text: n }), el("td", { text: p }), el("td", { text: a }),
       el("td", { text: e == null ? "-" : `${e > 0 ? "+" : ""}${(100 * e).toFixed(1)} %` })))));
 }
@@ -376,7 +376,7 @@ async function showRun(key) {
     s ? el("p", { text: `throughput ${num(s.throughput.samples_per_s)} samples/s on ${s.device}, ${s.precision}; ${s.steps} steps in ${hours((s.wall_s || 0) / 3600)}` }) : null,
     el("div", { class: "charts", id: "curves" }, curves.map(([name, pts], i) =>
       lineChart([{ points: pts, color: COLORS[i % COLORS.length] }], { title: name, xlabel: "step", ylabel: unitOf(name) }))),
-    s ? el("h2", { text: "Planned beside measured" }) : null,
+    s ? el("h2", { text: "Planned beside actual" }) : null,
     s ? plannedVsActual(s) : null,
     el("h2", { text: "Config" }),
     el("pre", { text: JSON.stringify(r.config, null, 2) }),
@@ -399,8 +399,8 @@ async function showCompare(a, b) {
     ["wall time", ...side((s) => hours((s.wall_s || 0) / 3600))],
     ["throughput (samples/s)", ...side((s) => num(s.throughput.samples_per_s))],
     ...evals.map((k) => [k, ...side((s) => num(s.eval[k]))]),
-    ["peak memory planned / measured", ...side((s) => `${gib(s.plan.peak_bytes)} / ${gib(s.actual.peak_bytes)}`)],
-    ["step time planned / measured", ...side((s) => `${s.plan.step_time_s == null ? "-" : (1e3 * s.plan.step_time_s).toFixed(1)} / ${s.actual.step_time_s == null ? "-" : (1e3 * s.actual.step_time_s).toFixed(1)} ms`)],
+    ["peak memory planned / actual", ...side((s) => `${gib(s.plan.peak_bytes)} / ${gib(s.actual.peak_bytes)}`)],
+    ["step time planned / actual", ...side((s) => `${s.plan.step_time_s == null ? "-" : (1e3 * s.plan.step_time_s).toFixed(1)} / ${s.actual.step_time_s == null ? "-" : (1e3 * s.actual.step_time_s).toFixed(1)} ms`)],
   ];
   const keys = [...new Set(runs.flatMap((r) => Object.keys(r.config)))].sort();
   const differs = keys.filter((k) => JSON.stringify(runs[0].config[k]) !== JSON.stringify(runs[1].config[k]));
@@ -508,7 +508,7 @@ async function sendChat(text) {
     const n = usage ? usage.completion_tokens : null;
     $("#chatstats").textContent = `${n ?? "?"} tokens in ${secs.toFixed(2)} s` +
       (n && first ? ` (${(n / secs).toFixed(1)} tokens/s), first after ${((first - started) / 1000).toFixed(2)} s` : "") +
-      `; finish: ${finish ?? "-"}; prompt ${usage ? usage.prompt_tokens : "?"} tokens (measured in this browser)`;
+      `; finish: ${finish ?? "-"}; prompt ${usage ? usage.prompt_tokens : "?"} tokens (timed in this browser)`;
   } catch (e) {
     if (e.name === "AbortError") $("#chatstats").textContent = "stopped: the endpoint freed the sequence";
     else $("#chaterror").textContent = messageOf(e);
@@ -590,11 +590,11 @@ async function showBench() {
   for (const [name, d] of Object.entries(b.devices)) {
     const mm = Object.entries(d.matmul).map(([dt, m]) => ({ label: `${dt} matmul`, value: 100 * (m.fraction_of_peak || 0), text: `${m.tflops.toFixed(2)} TFLOP/s (${pct(m.fraction_of_peak)})` }));
     mm.push({ label: "memory (triad)", value: 100 * (d.bandwidth.fraction_of_peak || 0), text: `${d.bandwidth.triad_gbs.toFixed(1)} GB/s (${pct(d.bandwidth.fraction_of_peak)})` });
-    charts.push(bars(mm, { title: `${d.peak.name} (${name}): measured, as % of peak (${d.peak.origin})`, xlabel: "% of the device's peak" }));
+    charts.push(bars(mm, { title: `${d.peak.name} (${name}): as % of peak (${d.peak.origin})`, xlabel: "% of the device's peak" }));
   }
   for (const [dev, sp] of Object.entries(b.speedup || {})) {
     const items = Object.entries(sp).filter(([, v]) => typeof v === "number").map(([t, v]) => ({ label: t, value: v, text: `${v.toFixed(1)}x` }));
-    if (items.length) charts.push(bars(items, { title: `${dev}: rate over this CPU's${b.projections && b.projections[dev] ? " (projected from the catalog, not measured)" : ""}`, xlabel: "times the CPU's rate" }));
+    if (items.length) charts.push(bars(items, { title: `${dev}: rate over this CPU's${b.projections && b.projections[dev] ? " (projected from the catalog, not run here)" : ""}`, xlabel: "times the CPU's rate" }));
   }
   $("#benchout").replaceChildren(el("p", { text: `Bench #${rows[0].key}, ${rows[0].created}, ${b.size}, torch ${b.torch}, ${b.threads} threads` }), el("div", { class: "charts" }, charts));
 }
