@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from gpuwise.errors import GpuwiseError
-from gpuwise.plan import model as plan_model
+from gpuwise.plan import gguf as plan_gguf
 from gpuwise.plan.model import read_gguf_header
 from gpuwise.serve import attention
 from gpuwise.serve import decoder as fused
@@ -443,7 +443,7 @@ def test_a_gguf_file_that_shrinks_while_it_is_read_is_one_line(tmp_path, monkeyp
 
     path = _tiny_gguf(tmp_path / "shrinks.gguf")  # a header of 3 KB
     assert read_gguf_header(path)[0]["general.architecture"] == "qwen2"  # whole, it reads
-    monkeypatch.setattr(plan_model, "_GGUF_PIECE", 256)  # several reads for this small header
+    monkeypatch.setattr(plan_gguf, "_GGUF_PIECE", 256)  # several reads for this small header
     real_read, reads = os.read, []
 
     def read(fd, n):
