@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpuwise.cli import main
+from gpuwise.workloads.recommender import Recommender, RecommenderRecipe
 
 from train_data import image_folder, interactions_csv, reviews_jsonl
 
@@ -181,36 +182,45 @@ def test_recommender_metrics_baselines_and_predict(capsys, tmp_path):
     assert unknown["source"] == "popular (unknown user)"
 
 
-def test_past_the_softmax_bound_the_recommender_trains_with_bpr(capsys, tmp_path, monkeypatch):
-    """A catalogue past FULL_SOFTMAX_ITEMS trains with BPR (one sampled negative), and the summary says which
-    loss ran: here 60 items against a bound set to 50. The loss of BPR starts near log 2: the sequential model's
-    first scores spread by ~0.16 (a unit-variance hidden state of width 64 against N(0, 0.02) embeddings),
-    which adds ~E[d^2]/8 ~ 0.007 (0.700 measured here, 0.708 in CI after 3 steps)."""
-    from gpuwise.workloads import recommender as rec
+class SoftmaxUpTo50(Recommender):
+    """The recommender with a full softmax up to 50 items only (`train test_workloads:SoftmaxUpTo50`)."""
 
+    recipe = RecommenderRecipe(full_softmax_items=50)
+
+
+class SoftmaxUpTo60(Recommender):
+    recipe = RecommenderRecipe(full_softmax_items=60)
+
+
+def test_past_the_softmax_bound_the_recommender_trains_with_bpr(capsys, tmp_path):
+    """A catalogue past the recipe's full_softmax_items trains with BPR (one sampled negative), and the summary
+    says which loss ran: here 60 items against a bound of 50. The loss of BPR starts near log 2: the sequential
+    model's first scores spread by ~0.16 (a unit-variance hidden state of width 64 against N(0, 0.02)
+    embeddings), which adds ~E[d^2]/8 ~ 0.007; hosts differ by ~0.01 after 3 steps."""
     data = interactions_csv(tmp_path / "ratings.csv")
-    monkeypatch.setattr(rec, "FULL_SOFTMAX_ITEMS", 50)
-    s = train_json(capsys, "recommender --data {} --batch-size 8 --max-steps 3 --run-dir {}", data, tmp_path / "bpr")
+    s = train_json(capsys, "test_workloads:SoftmaxUpTo50 --data {} --batch-size 8 --max-steps 3 --run-dir {}", data,
+                   tmp_path / "bpr")
     assert s["data"]["loss"].startswith("BPR") and s["final_loss"] == pytest.approx(0.70, abs=0.02)
-    monkeypatch.setattr(rec, "FULL_SOFTMAX_ITEMS", 60)
-    s = train_json(capsys, "recommender --data {} --batch-size 8 --max-steps 3 --run-dir {}", data, tmp_path / "sm")
+    s = train_json(capsys, "test_workloads:SoftmaxUpTo60 --data {} --batch-size 8 --max-steps 3 --run-dir {}", data,
+                   tmp_path / "sm")
     assert s["data"]["loss"] == "softmax over all 60 items" and s["final_loss"] == pytest.approx(4.09, abs=0.05)
 
 
-def test_mixup_draws_each_samples_partner_and_weight_from_the_sample_alone(monkeypatch):
-    """defects.MIXUP (a lever the ablation measures, off by default): a sample's partner and weight come from
+def test_mixup_draws_each_samples_partner_and_weight_from_the_sample_alone():
+    """A recipe's mixup (a lever the ablation measures, off by default): a sample's partner and weight come from
     (seed, epoch, index), whatever else is in its batch, so resume and 1 vs N processes stay exact; the sample
     keeps the larger share."""
     import numpy as np
 
-    from gpuwise.workloads import defects
+    from gpuwise.workloads.defects import DefectsRecipe, mixup_partners
 
-    monkeypatch.setattr(defects, "MIXUP", 0.2)
-    p1, w1 = defects.mixup_partners([3, 7, 11], seed=0, epoch=2, n=100)
-    p2, w2 = defects.mixup_partners([11, 3], seed=0, epoch=2, n=100)
+    recipe = DefectsRecipe(mixup=0.2)
+    assert DefectsRecipe().mixup == 0.0
+    p1, w1 = mixup_partners([3, 7, 11], seed=0, epoch=2, n=100, recipe=recipe)
+    p2, w2 = mixup_partners([11, 3], seed=0, epoch=2, n=100, recipe=recipe)
     assert p2.tolist() == p1[[2, 0]].tolist() and np.array_equal(w2, w1[[2, 0]])
     assert ((w1 >= 0.5) & (w1 <= 1.0)).all()
-    assert defects.mixup_partners([3, 7, 11], seed=0, epoch=3, n=100)[0].tolist() != p1.tolist()
+    assert mixup_partners([3, 7, 11], seed=0, epoch=3, n=100, recipe=recipe)[0].tolist() != p1.tolist()
 
 
 @pytest.mark.parametrize("record", [
@@ -289,11 +299,10 @@ def test_a_short_defects_run_on_elpv_clears_its_floor(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_a_short_recommender_run_on_movielens_clears_its_floor(capsys, tmp_path):
-    """Issue #13's floor for the recommender, on a short run (the default takes 100-125 s): the default model
-    (SASRec) for 15 of its 30 epochs, ~55 s here, above ItemKNN on both recall@10 and NDCG@10, on the same split
-    in the same run. Measured on 2 Zen 5 cores: 0.0739 / 0.0805 against ItemKNN's 0.0678 / 0.0694 (10 epochs:
-    0.064 / 0.069, below it). The whole default run beats EASE^R (0.0876 / 0.0906): 0.1010 / 0.0962 / 0.0969
-    recall@10 and 0.1033 / 0.0982 / 0.0972 NDCG@10 over seeds 0 / 1 / 2 (benchmarks/recommender_ablation.py)."""
+    """Issue #13's floor for the recommender, on a short run (about half the default's time): the default model
+    (SASRec) for 15 of its 30 epochs, above ItemKNN on both recall@10 and NDCG@10, on the same split in the same
+    run (10 epochs fall below it). The whole default run also beats EASE^R on every seed tried. The figures are
+    in docs/quality.md, recommender (benchmarks/recommender_ablation.py)."""
     s = train_json(capsys, "recommender --epochs 15 --run-dir {}", tmp_path / "run")
     knn = s["baseline"]["also"]["ItemKNN (cosine)"]
     assert s["eval"]["recall@10"] > knn["recall@10"] and s["eval"]["ndcg@10"] > knn["ndcg@10"], (s["eval"], knn)
@@ -315,7 +324,7 @@ def test_ease_scores_are_the_closed_form_in_either_form(users, items):
     assert np.allclose(ease_scores(tu, ti, users, items, lam=10.0), x @ b, atol=1e-10)
 
 
-def test_baselines_past_the_dense_bounds_are_skipped_and_the_summary_says_so(monkeypatch):
+def test_baselines_past_the_dense_bounds_are_skipped_and_the_summary_says_so():
     """A shop's own data of 10^5 users and items would need tens of GB for ItemKNN's and EASE^R's dense
     matrices: past the bounds they are not computed, and the summary says why instead of a figure."""
     import io
@@ -329,13 +338,13 @@ def test_baselines_past_the_dense_bounds_are_skipped_and_the_summary_says_so(mon
 
     scored = []
     tu, ti = np.array([0, 1, 2]), np.array([0, 1, 2])
-    monkeypatch.setattr(rec, "SQUARE_SIDE", 25)  # 30 items: ItemKNN's items x items is too big; EASE^R's 20 fits
-    also = rec.neighbour_baselines(tu, ti, 20, 30, lambda fn: scored.append(fn) or {"recall@10": 0.5})
+    small = RecommenderRecipe(square_side=25)  # 30 items: ItemKNN's items x items is too big; EASE^R's 20 fits
+    also = rec.neighbour_baselines(tu, ti, 20, 30, lambda fn: scored.append(fn) or {"recall@10": 0.5}, small)
     assert also["ItemKNN (cosine)"] == {"skipped": "20 users x 30 items is past the dense bounds (50,000,000 "
                                                    "cells, a square of side 25)"}
     assert also["EASE^R (lambda 100)"] == {"recall@10": 0.5} and len(scored) == 1
-    monkeypatch.setattr(rec, "DENSE_CELLS", 100)  # 600 cells: both skipped, nothing computed
-    also = rec.neighbour_baselines(tu, ti, 20, 30, lambda fn: scored.append(fn) or {})
+    smaller = RecommenderRecipe(square_side=25, dense_cells=100)  # 600 cells: both skipped, nothing computed
+    also = rec.neighbour_baselines(tu, ti, 20, 30, lambda fn: scored.append(fn) or {}, smaller)
     assert all("skipped" in v for v in also.values()) and len(scored) == 1
     summary = {**OLD_SUMMARY, "baseline": {**OLD_SUMMARY["baseline"], "also": also}}
     con = Console(file=io.StringIO(), width=200)
@@ -343,10 +352,10 @@ def test_baselines_past_the_dense_bounds_are_skipped_and_the_summary_says_so(mon
     assert "EASE^R (lambda 100): skipped: 20 users x 30 items is past the dense bounds" in con.file.getvalue()
 
 
-def test_the_recommender_baselines_reach_their_measured_figures_on_movielens():
-    """The three baselines on the real split (no training: deterministic). Measured here: popularity recall@10
-    0.0439, ItemKNN 0.0678, EASE^R 0.0876 (issue #13 measured 0.085 / NDCG 0.093 for EASE^R at lambda 100 on
-    the same split, with its own tie-breaking); tolerance 0.002."""
+def test_the_recommender_baselines_reach_their_figures_on_movielens():
+    """The three baselines on the real split (no training: deterministic) give docs/quality.md's figures within
+    0.002 (issue #13 found 0.085 / NDCG 0.093 for EASE^R at lambda 100 on the same split, with its own
+    tie-breaking)."""
     import types
 
     from gpuwise.workloads.recommender import build
