@@ -1,6 +1,6 @@
 """What the *_ablation.py benchmarks share: each variant is a whole `gpuwise train` run in a fresh process (a
-child that applies the variant's module switches, then calls the CLI), one after another, each printed as a
-table row when it finishes."""
+child that trains the variant's workload: a subclass of the built-in one with another recipe, named as
+`module:Class`), one after another, each printed as a table row when it finishes."""
 
 from __future__ import annotations
 
