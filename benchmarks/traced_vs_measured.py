@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from gpuwise.train.measure import measured_step
+from gpuwise.train.measure import real_step
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     for name in names():
         plan = traced_plan(name, workload_step(name), acc, "fp32", None)
         traced_bytes = plan["memory"]["total"] - plan["memory"]["overhead"]  # tensors only, like the measurement
-        real_bytes, real_flops = measured_step(name)
+        real_bytes, real_flops = real_step(name)
         traced_flops = plan["compute"]["flops_per_step"]
         flop_err = f"{(traced_flops - real_flops) / real_flops:+.1%}" if real_flops else "-"
         print(

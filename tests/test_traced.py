@@ -104,10 +104,10 @@ def test_traced_matches_an_independent_measurement(workload):
     # Issue #4: traced peak memory against a real step's (its states plus the profiler's own allocation
     # events, not MemTracker) within 5 %; traced FLOPs against a real step's count within 2 %.
     from gpuwise.cli.plan import workload_step
-    from gpuwise.train.measure import measured_step
+    from gpuwise.train.measure import real_step
 
     plan = traced_plan(workload, workload_step(workload), load_catalog().get("l4"), "fp32", None)
     traced_bytes = plan["memory"]["total"] - plan["memory"]["overhead"]  # tensors, as the profiler sees them
-    real_bytes, real_flops = measured_step(workload)
+    real_bytes, real_flops = real_step(workload)
     assert traced_bytes == pytest.approx(real_bytes, rel=0.05)
     assert plan["compute"]["flops_per_step"] == pytest.approx(real_flops, rel=0.02, abs=1)

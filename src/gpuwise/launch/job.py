@@ -204,12 +204,12 @@ def node_script(
 
 def _probe(work, cfg, micro: int, precision: str, world: int, fsdp: bool, gpu: bool) -> tuple[int, float, str]:
     """Planned peak bytes a process (tensors, plus the CUDA context and allocator slack) and FLOPs a sample: what
-    `gpuwise train` plans before its first step (train/setup.py fit_and_plan), from one real forward and backward
+    `gpuwise train` plans before its first step (train/runplan.py plan_run), from one real forward and backward
     on a few samples here, under the planned precision's autocast."""
     import torch
 
     from gpuwise.train import measure
-    from gpuwise.train.setup import analytic_plan
+    from gpuwise.train.runplan import analytic_plan
 
     n = min(micro, 4)
     batch = work.make_batch(list(range(n)), 0)
@@ -302,6 +302,7 @@ def plan_job(
     count (given, or the cheapest whole job of the catalog among the `nameable` slugs: those the engine can
     ask for by name), and every figure the artifacts need."""
     from gpuwise.train.engine import resolve_strategy
+    from gpuwise.train.setup import schedule
     from gpuwise.workloads import build as build_workload
 
     workload = cfg.workload
@@ -318,24 +319,16 @@ def plan_job(
         from gpuwise.plan.cost import check_provider
 
         check_provider(catalog, provider)
-    cfg.devices, cfg.num_nodes = 1, 1  # built once here, on the CPU, to count the data and trace the model
-    cfg.accelerator = "cpu"
+    # built once here, on the CPU, to count the data and trace the model
+    cfg = replace(cfg, devices=1, num_nodes=1, accelerator="cpu")
     cfg.validate()
+    cfg = cfg.filled(cfg.workload_def().resolve(cfg))
     print(f"gpuwise: planning {workload}: building it here to count its data and time one step", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="gpuwise-launch-") as tmp:
         work = build_workload(cfg, Path(tmp))
-    defaults = {k: v for k, v in work.defaults.items() if getattr(cfg, k, None) is None}
-    cfg = replace(cfg, **{k: v for k, v in defaults.items() if hasattr(cfg, k)})
-    assert cfg.batch_size is not None  # the workload's defaults give it
-    if cfg.batch_size % world:
-        raise GpuwiseError(
-            f"the global batch {cfg.batch_size} must be divisible by the {world} processes (--batch-size)"
-        )
-    share = cfg.batch_size // world
-    per_epoch = work.train_size // cfg.batch_size
-    if per_epoch == 0:
-        raise GpuwiseError(f"--batch-size {cfg.batch_size} is larger than the {work.train_size} training samples")
-    steps = work.steps if work.steps is not None else cfg.max_steps or math.ceil((cfg.epochs or 1) * per_epoch)
+    cfg = cfg.filled(work.defaults)
+    share, _, steps = schedule(cfg, work.train_size, work.steps, world)
+    assert cfg.batch_size is not None  # schedule refuses a config without one
     strategy = resolve_strategy(cfg.strategy, world)
     micro = min(share, cfg.micro_batch_size or share)
     on_cpu = gpu == "cpu"
@@ -344,27 +337,8 @@ def plan_job(
     memory, flops_per_sample, memory_method = _probe(work, cfg, micro, precision, world, fsdp, not on_cpu)
     eff, eff_origin = (efficiency, "--efficiency") if efficiency else (EFFICIENCY.value, EFFICIENCY.origin)
 
-    choices = []
-    for acc in candidates:
-        prec = precision if acc.peak_tflops(precision) else "fp16"
-        peak = acc.peak_tflops(prec)
-        if not peak:
-            continue
-        n_nodes, per_node = layout(acc, world, nodes)
-        step_s = flops_per_sample * share / (peak * 1e12 * eff)
-        wall = steps * step_s
-        hours = wall / 3600 * world
-        price = None if on_cpu else _price(catalog, acc, provider)
-        usd = hours * price["usd_per_gpu_hour"] if price else None
-        choices.append(
-            Choice(acc.slug if not on_cpu else "cpu", acc.name, world, n_nodes, per_node, memory, acc.mem_bytes,
-                   memory <= acc.mem_bytes, step_s, wall, hours, usd, price, prec)  # fmt: skip
-        )
-    if not choices:
-        raise GpuwiseError(f"no accelerator to plan on: {gpu} has no {precision} or fp16 peak in the catalog")
-    # The cheapest whole job first (gpuwise knows its length; a per-hour price alone does not), then the fastest.
-    choices.sort(key=lambda c: (not c.fits, c.usd is None, c.usd or 0.0, c.wall_s))
-    best = choices[0]
+    step_flops = flops_per_sample * share
+    best, alternatives = _choose(candidates, catalog, world, nodes, provider, precision, memory, step_flops, steps, eff)
     if not best.fits:
         need, have = best.memory_bytes / 2**30, best.capacity_bytes / 2**30
         raise GpuwiseError(
@@ -372,16 +346,12 @@ def plan_job(
             f"{have:,.0f} GiB there; pass a smaller --micro-batch-size, --strategy fsdp over more --gpus, "
             "or another --gpu"
         )
-    alternatives = tuple(c for c in choices[1:TOP_CHOICES] if c.fits and c.nodes == best.nodes)
     time_limit = time_limit_s or int(math.ceil((best.wall_s * TIME_MARGIN.value + STARTUP_S.value) / 60) * 60)
     cpus = cpus_per_node or (best.per_node * int(CPUS_PER_GPU.value) if not on_cpu else best.per_node)
     host = mem_per_node_gib or math.ceil(HOST_MEMORY.value * best.per_node * memory / 2**30 + 8)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run = str(Path(run_dir).resolve()) if run_dir else str(Path.cwd() / "runs" / f"{workload}-{stamp}")
-    if "--run-dir" in options:
-        i = options.index("--run-dir")
-        options = options[:i] + options[i + 2 :]
-    options = tuple(o for o in options if not o.startswith("--run-dir="))
+    options = _without_run_dir(options)  # the job's run directory is the one planned here
     name = f"gpuwise-{_dns(workload)}-{stamp}"
     extra = "" if on_cpu else f", + {OVERHEAD_BYTES.value / 2**30:g} GiB CUDA context, {ALLOCATOR_SLACK.value:.0%} more"
     method = (
@@ -410,6 +380,51 @@ def plan_job(
     )
 
 
+def _choose(
+    candidates: list[Accelerator],
+    catalog: Catalog,
+    world: int,
+    nodes: int | None,
+    provider: str | None,
+    precision: str,
+    memory: int,
+    step_flops: float,
+    steps: int,
+    eff: float,
+) -> tuple[Choice, tuple[Choice, ...]]:
+    """The best accelerator for the job and the fallbacks on as many nodes: the cheapest whole job first (gpuwise
+    knows its length; a per-hour price alone does not), then the fastest; one that does not fit comes last."""
+    choices = []
+    for acc in candidates:
+        prec = precision if acc.peak_tflops(precision) else "fp16"
+        peak = acc.peak_tflops(prec)
+        if not peak:
+            continue
+        n_nodes, per_node = layout(acc, world, nodes)
+        step_s = step_flops / (peak * 1e12 * eff)
+        wall = steps * step_s
+        hours = wall / 3600 * world
+        on_cpu = acc.kind != "gpu"
+        price = None if on_cpu else _price(catalog, acc, provider)
+        usd = hours * price["usd_per_gpu_hour"] if price else None
+        choices.append(
+            Choice(acc.slug if not on_cpu else "cpu", acc.name, world, n_nodes, per_node, memory, acc.mem_bytes,
+                   memory <= acc.mem_bytes, step_s, wall, hours, usd, price, prec)  # fmt: skip
+        )
+    if not choices:
+        raise GpuwiseError(f"no accelerator to plan on: none has a {precision} or fp16 peak in the catalog")
+    choices.sort(key=lambda c: (not c.fits, c.usd is None, c.usd or 0.0, c.wall_s))
+    best = choices[0]
+    return best, tuple(c for c in choices[1:TOP_CHOICES] if c.fits and c.nodes == best.nodes)
+
+
+def _without_run_dir(options: tuple[str, ...]) -> tuple[str, ...]:
+    if "--run-dir" in options:
+        i = options.index("--run-dir")
+        options = options[:i] + options[i + 2 :]
+    return tuple(o for o in options if not o.startswith("--run-dir="))
+
+
 def _plan_precision(requested: str, cpu: Accelerator | None) -> str:
     """The planner's precision for `gpuwise train --precision`: auto is bf16 on GPUs (the train rule for
     bf16 GPUs; older ones are priced at fp16), and on CPU nodes what train picks on this CPU."""
@@ -431,7 +446,7 @@ def _dns(text: str) -> str:
 
 
 def duration(seconds: float | None) -> str:
-    """A planned or measured time as people read it: 3.2e-05 s, 42.1 s, 18.5 min, 3.25 h."""
+    """A planned or actual time as people read it: 3.2e-05 s, 42.1 s, 18.5 min, 3.25 h."""
     if seconds is None:
         return "-"
     if seconds < 120:

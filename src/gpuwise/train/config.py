@@ -1,9 +1,10 @@
-"""The training config: one field per `gpuwise train` flag, saved whole to RUN_DIR/config.yaml."""
+"""The training config: one field per `gpuwise train` flag, frozen, saved whole to RUN_DIR/config.yaml once
+the workload's defaults are filled in (`filled`), which is the only way it changes."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from gpuwise.errors import GpuwiseError
@@ -27,7 +28,7 @@ BOUNDS = (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     workload: str
     data: str | None = None  # the user's own data; default: the workload's PyPI data set
@@ -136,6 +137,12 @@ class TrainConfig:
             )
             if not ok:
                 raise GpuwiseError(f"{where}: {f.name} must be {' or '.join(allowed)}, not {value!r}")
+
+    def filled(self, defaults: dict) -> TrainConfig:
+        """A copy with `defaults` ({field: value}: the workload's) in the fields the flags left unset; keys that
+        are not fields (a workload's weight_decay) are ignored."""
+        known = {f.name for f in fields(self)}
+        return replace(self, **{k: v for k, v in defaults.items() if k in known and getattr(self, k) is None})
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -1,12 +1,13 @@
 """The training loop: data -> forward -> loss -> backward -> update, repeated; evaluation; checkpoints.
 
-One file, read top to bottom (nanoGPT): set-up (`setup.py`), the steps, then evaluation, the saved
-model and the summary (`summary.py`). Fabric owns device, precision and strategy; the workload owns
-data, model, loss and metrics. The math of a step is fixed by the global batch alone: each step takes
-the next ``batch_size`` samples of a seeded permutation, each process its slice, each slice cut into
-micro-batches whose losses are weighted by their share. Resume, a different micro-batch, or more
-processes therefore give the same weights (for models whose forward draws no random numbers: dropout
-masks would differ between 1 and N processes; resume restores the RNG, so it stays exact).
+One file, read top to bottom (nanoGPT): set-up (`setup.py`) and the plan (`runplan.py`), then the loop
+(`_train`: step, log, evaluate, checkpoint), then evaluation, the saved model and the summary
+(`summary.py`). Fabric owns device, precision and strategy; the workload owns data, model, loss and
+metrics. The math of a step is fixed by the global batch alone: each step takes the next ``batch_size``
+samples of a seeded permutation, each process its slice, each slice cut into micro-batches whose losses
+are weighted by their share. Resume, a different micro-batch, or more processes therefore give the same
+weights (for models whose forward draws no random numbers: dropout masks would differ between 1 and N
+processes; resume restores the RNG, so it stays exact).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import functools
 import math
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,6 +28,7 @@ from gpuwise.train.config import TrainConfig
 from gpuwise.train.engine import make_fabric
 from gpuwise.train.records import is_finished, load_config
 from gpuwise.train.rng import forward_rng, rng_state, set_forward_rng
+from gpuwise.train.runplan import RunPlan, plan_run
 from gpuwise.train.setup import Run, say
 
 
@@ -80,16 +83,18 @@ def _progress(console, total: int, start: int):
 def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dict | None:
     """Train the workload `cfg` names (or resume the run in `resume_dir`); the summary on rank 0."""
     cfg.validate()
+    cfg = cfg.filled(cfg.workload_def().resolve(cfg))  # options that follow from others, set before the build
     fabric, accelerator, precision, strategy = make_fabric(cfg)
     rec, claim = setup.claim(cfg, fabric, resume_dir)
     try:
         # --- set-up ---------------------------------------------------------------------------
         train_parts(cfg, fabric, rec, console)
         run = setup.build(cfg, fabric, accelerator, precision, strategy, rec)
-        if resume_dir is not None:
-            setup.restore(run)
-        setup.fit_and_plan(run, lambda step, micro: forward_backward(run, step, micro))
-        return _train(run, console)
+        progress = setup.restore(run) if resume_dir is not None else setup.Progress()
+        micro = progress.micro or cfg.micro_batch_size  # a resumed run keeps the micro-batch it had come down to
+        plan = plan_run(run, micro, progress.step, lambda step, m: forward_backward(run, step, m))
+        progress.micro = plan.micro
+        return _train(run, plan, progress, console)
     except BaseException:
         rec.close()
         if claim is not None:
@@ -117,8 +122,7 @@ def train_parts(cfg: TrainConfig, fabric, rec, console) -> None:
         if (where / "config.yaml").is_file():
             resume(where, console=console)
         else:
-            part.run_dir = str(where)
-            train(part, console=console)
+            train(replace(part, run_dir=str(where)), console=console)
         fabric.barrier()  # the first process writes the part's summary.json last; the others read it next
 
 
@@ -130,10 +134,9 @@ def resume(run_dir: Path, console=None) -> dict | None:
 
 def forward_backward(run: Run, step: int, micro: int) -> float:
     """Forward and backward of this process's slice of the step, micro-batch by micro-batch; the mean loss."""
-    cfg, fabric, work = run.cfg, run.fabric, run.work
-    assert cfg.batch_size is not None  # the workload's default filled it in set-up
-    samples, epoch = step_samples(step, cfg.batch_size, work.train_size, cfg.seed)
-    mine = samples[fabric.global_rank * run.share : (fabric.global_rank + 1) * run.share]
+    lay, fabric, work = run.layout, run.fabric, run.work
+    samples, epoch = step_samples(step, lay.batch_size, work.train_size, lay.cfg.seed)
+    mine = samples[fabric.global_rank * lay.share : (fabric.global_rank + 1) * lay.share]
     chunks = [mine[i : i + micro] for i in range(0, len(mine), micro)]
     total_loss = 0.0
     for i, chunk in enumerate(chunks):
@@ -145,146 +148,185 @@ def forward_backward(run: Run, step: int, micro: int) -> float:
     return total_loss
 
 
-def _train(run: Run, console) -> dict | None:
-    cfg, fabric, work, rec, model, optimizer, scheduler = (
-        run.cfg,
-        run.fabric,
-        run.work,
-        run.rec,
-        run.model,
-        run.optimizer,
-        run.scheduler,
-    )
-    accelerator, world, share, total, run_dir = run.accelerator, run.world, run.share, run.total, run.run_dir
-    step, micro, oom_events, raw = run.step, run.micro, run.oom_events, run.raw
-    assert micro is not None and cfg.batch_size is not None  # fit_and_plan and the workload's defaults set them
+class Meters:
+    """What the loop measures besides the loss: the peak memory the way the plan counts it (tensors only,
+    over the last step: after the first the optimizer states exist, and a profiled step slows the few after
+    it), the process's peak, and each step's time."""
 
-    # --- train ----------------------------------------------------------------------------
-    inject, stop = fit.OOMInjector(), StopFlag()
-    mem = measure.PeakMemory(accelerator, sum(p.numel() * p.element_size() for p in raw.parameters()))
-    step_peak = measure.StepPeak(accelerator, lambda: measure.held_bytes(raw, optimizer))
-    # The last step is the one measured: after the first the optimizer states exist, and a profiled step
-    # slows the few after it (the scratch Llama's steps ran 164-193 ms after one, 118 before)
-    measured_step = total - 1
-    progress = _progress(console, total, step) if fabric.is_global_zero and console and total else None
-    times, loss_value, t_run = [], float("nan"), time.perf_counter()
-    before = None
-    if work.eval_before and step == 0:
-        with mem.paused():
-            before = work.evaluate(model, fabric.device)
-        rec.log(0, **{f"eval/{k}": v for k, v in _scalars(before).items()})
+    def __init__(self, run: Run):
+        raw, accelerator = run.raw, run.layout.accelerator
+        self.memory = measure.PeakMemory(accelerator, sum(p.numel() * p.element_size() for p in raw.parameters()))
+        self.step_peak = measure.StepPeak(accelerator, lambda: measure.held_bytes(raw, run.optimizer))
+        self.profiled_step = run.layout.total - 1
+        self.times: list[float] = []
+        self.started = time.perf_counter()
+
+    def around(self, step: int):
+        return self.step_peak if step == self.profiled_step else contextlib.nullcontext()
+
+    def took(self, step: int, seconds: float, accelerator: str) -> None:
+        if step != self.profiled_step or accelerator != "cpu":  # a profiled step is slower: not timed
+            self.times.append(seconds)
+
+
+def _train(run: Run, plan: RunPlan, progress: setup.Progress, console) -> dict | None:
+    """The loop: step, log, evaluate now and then, checkpoint; then evaluate, save and summarize."""
+    lay, fabric = run.layout, run.fabric
+    meters = Meters(run)
+    bar = _progress(console, lay.total, progress.step) if fabric.is_global_zero and console and lay.total else None
+    before = _evaluate(run, meters, 0) if run.work.eval_before and progress.step == 0 else None
+    stop, inject, loss = StopFlag(), fit.OOMInjector(), float("nan")
     try:
-        while step < total:
+        while progress.step < lay.total:
             t0 = time.perf_counter()
-            # measured the way the plan counts memory: tensors only (measure.StepPeak)
-            with step_peak if step == measured_step else contextlib.nullcontext():
-                rng = forward_rng()  # torch's generators only: the forward's dropout is all that draws from them
-                while True:
-                    try:
-                        inject.check(step, micro)
-                        loss_value = forward_backward(run, step, micro)
-                        break
-                    except Exception as e:  # noqa: BLE001 - only an OOM is handled; everything else propagates
-                        if not fit.is_oom(e) or micro == 1:
-                            raise
-                        optimizer.zero_grad(set_to_none=True)
-                        if accelerator == "cuda":
-                            torch.cuda.empty_cache()
-                        set_forward_rng(rng)  # the retried step draws the same dropout masks
-                        oom_events.append({"step": step, "from": micro, "to": max(1, micro // 2)})
-                        micro = max(1, micro // 2)
-                        say(
-                            fabric,
-                            f"gpuwise: out of memory at step {step}: micro-batch now {micro}, "
-                            f"accumulation {math.ceil(share / micro)} (global batch {cfg.batch_size} kept)",
-                        )
-                fabric.clip_gradients(model, optimizer, max_norm=1.0)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            if accelerator == "cuda":
+            with meters.around(progress.step):
+                loss = _step(run, progress, inject)
+            if lay.accelerator == "cuda":
                 torch.cuda.synchronize()
-            step += 1
-            if world > 1:
-                loss_value = fabric.all_reduce(torch.tensor(loss_value, device=fabric.device), reduce_op="mean").item()
+            progress.step += 1
+            if lay.world > 1:
+                loss = fabric.all_reduce(torch.tensor(loss, device=fabric.device), reduce_op="mean").item()
             took = time.perf_counter() - t0
-            if step - 1 != measured_step or accelerator != "cpu":  # a profiled step is slower: not timed
-                times.append(took)
-            rec.log(
-                step,
-                loss=loss_value,
-                lr=scheduler.get_last_lr()[0],
-                step_time_s=took,
-                samples_per_s=cfg.batch_size / took,
-                micro_batch=micro,
-            )
-            if progress:
-                progress[0].update(progress[1], completed=step, loss=loss_value, sps=cfg.batch_size / took)
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < total:
-                with mem.paused():
-                    evaluation = work.evaluate(model, fabric.device)
-                rec.log(step, **{f"eval/{k}": v for k, v in _scalars(evaluation).items()})
-            stopping = stop.signal is not None
-            if world > 1:  # one process's signal stops them all, at the same step
-                flag = torch.tensor(float(stopping), device=fabric.device)
-                stopping = bool(fabric.all_reduce(flag, reduce_op="sum").item())
-            if step % run.ckpt_every == 0 or step == total or stopping:
-                state = {
-                    "model": model,
-                    "optimizer": optimizer,
-                    "scheduler": scheduler.state_dict(),
-                    "step": step,
-                    "micro_batch": micro,
-                    "rng": rng_state(),
-                    "oom_events": oom_events,
-                    "precision": fabric.strategy.precision.state_dict(),
-                    "data": {
-                        "epoch": step // run.steps_per_epoch,
-                        "offset": (step % run.steps_per_epoch) * cfg.batch_size,
-                    },
-                    "elapsed": run.elapsed_before + time.perf_counter() - t_run,
-                }
-                checkpoint.save(fabric, run_dir / "checkpoints", step, state, cfg.keep_checkpoints)
+            meters.took(progress.step - 1, took, lay.accelerator)
+            _log(run, progress, loss, took, bar)
+            if lay.cfg.eval_every and progress.step % lay.cfg.eval_every == 0 and progress.step < lay.total:
+                _evaluate(run, meters, progress.step)
+            stopping = _stopping(run, stop)
+            if progress.step % lay.ckpt_every == 0 or progress.step == lay.total or stopping:
+                _checkpoint(run, progress, meters.started)
             if stopping:
-                if progress:
-                    progress[0].stop()
-                rec.close()
-                name = signal.Signals(stop.signal).name if stop.signal else "a signal"
-                raise GpuwiseError(
-                    f"stopped by {name} at step {step}; checkpoint written. Continue with "
-                    f"`gpuwise train --resume {run_dir}`",
-                    exit_code=128 + (stop.signal or 15),
-                )
+                if bar:
+                    bar[0].stop()
+                run.rec.close()
+                raise _stopped(stop, progress.step, run.run_dir)
     finally:
         stop.restore()
-    if progress:
-        progress[0].stop()
-    # before evaluation, whose batches are not the training step's; none for a run of no steps (Training.steps)
-    peak_bytes = mem.read() if total else None
+    if bar:
+        bar[0].stop()
+    return _finish(run, plan, progress, meters, loss, before)
 
-    # --- evaluate, save, summarize -------------------------------------------------------------
-    evaluation = work.evaluate(model, fabric.device)
-    if run.strategy == "fsdp":
+
+def _step(run: Run, progress: setup.Progress, inject: fit.OOMInjector) -> float:
+    """One optimizer step at the current micro-batch; on an out-of-memory error the micro-batch is halved and
+    the step retried with the same dropout masks (the global batch, and so the math, is kept)."""
+    fabric, optimizer, lay = run.fabric, run.optimizer, run.layout
+    assert progress.micro is not None  # plan_run fitted it
+    rng = forward_rng()  # torch's generators only: the forward's dropout is all that draws from them
+    while True:
+        try:
+            inject.check(progress.step, progress.micro)
+            loss = forward_backward(run, progress.step, progress.micro)
+            break
+        except Exception as e:  # noqa: BLE001 - only an OOM is handled; everything else propagates
+            if not fit.is_oom(e) or progress.micro == 1:
+                raise
+            optimizer.zero_grad(set_to_none=True)
+            if lay.accelerator == "cuda":
+                torch.cuda.empty_cache()
+            set_forward_rng(rng)
+            smaller = max(1, progress.micro // 2)
+            progress.oom_events.append({"step": progress.step, "from": progress.micro, "to": smaller})
+            progress.micro = smaller
+            say(
+                fabric,
+                f"gpuwise: out of memory at step {progress.step}: micro-batch now {smaller}, "
+                f"accumulation {math.ceil(lay.share / smaller)} (global batch {lay.batch_size} kept)",
+            )
+    fabric.clip_gradients(run.model, optimizer, max_norm=1.0)
+    optimizer.step()
+    run.scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def _log(run: Run, progress: setup.Progress, loss: float, took: float, bar) -> None:
+    batch = run.layout.batch_size
+    run.rec.log(
+        progress.step,
+        loss=loss,
+        lr=run.scheduler.get_last_lr()[0],
+        step_time_s=took,
+        samples_per_s=batch / took,
+        micro_batch=progress.micro,
+    )
+    if bar:
+        bar[0].update(bar[1], completed=progress.step, loss=loss, sps=batch / took)
+
+
+def _evaluate(run: Run, meters: Meters, step: int) -> dict:
+    """The held-out metrics now, logged at `step`; not counted in the training step's peak memory."""
+    with meters.memory.paused():
+        metrics = run.work.evaluate(run.model, run.fabric.device)
+    run.rec.log(step, **{f"eval/{k}": v for k, v in _scalars(metrics).items()})
+    return metrics
+
+
+def _stopping(run: Run, stop: StopFlag) -> bool:
+    """Whether a signal asked to stop; one process's signal stops them all, at the same step."""
+    stopping = stop.signal is not None
+    if run.layout.world > 1:
+        flag = torch.tensor(float(stopping), device=run.fabric.device)
+        stopping = bool(run.fabric.all_reduce(flag, reduce_op="sum").item())
+    return stopping
+
+
+def _stopped(stop: StopFlag, step: int, run_dir: Path) -> GpuwiseError:
+    name = signal.Signals(stop.signal).name if stop.signal else "a signal"
+    return GpuwiseError(
+        f"stopped by {name} at step {step}; checkpoint written. Continue with `gpuwise train --resume {run_dir}`",
+        exit_code=128 + (stop.signal or 15),
+    )
+
+
+def _checkpoint(run: Run, progress: setup.Progress, started: float) -> None:
+    lay, fabric = run.layout, run.fabric
+    state = {
+        "model": run.model,
+        "optimizer": run.optimizer,
+        "scheduler": run.scheduler.state_dict(),
+        "step": progress.step,
+        "micro_batch": progress.micro,
+        "rng": rng_state(),
+        "oom_events": progress.oom_events,
+        "precision": fabric.strategy.precision.state_dict(),
+        "data": {
+            "epoch": progress.step // lay.steps_per_epoch,
+            "offset": (progress.step % lay.steps_per_epoch) * lay.batch_size,
+        },
+        "elapsed": progress.elapsed_before + time.perf_counter() - started,
+    }
+    checkpoint.save(fabric, run.run_dir / "checkpoints", progress.step, state, lay.cfg.keep_checkpoints)
+
+
+def _finish(run: Run, plan: RunPlan, progress: setup.Progress, meters: Meters, loss: float, before) -> dict | None:
+    """Evaluate, save the whole model (gathered from FSDP's shards) and summarize the run."""
+    lay, fabric, raw = run.layout, run.fabric, run.raw
+    # before evaluation, whose batches are not the training step's; none for a run of no steps (Training.steps)
+    process_peak = meters.memory.read() if lay.total else None
+    evaluation = run.work.evaluate(run.model, fabric.device)
+    if lay.strategy == "fsdp":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         whole = get_model_state_dict(raw, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if run.twin is not None:
             run.twin.load_state_dict(whole)
             raw = run.twin
-    files = work.save(raw, run_dir) if fabric.is_global_zero else []
+    files = run.work.save(raw, run.run_dir) if fabric.is_global_zero else []
     fabric.barrier()
     from gpuwise.train.summary import summarize
 
-    run.step, run.micro, run.oom_events = step, micro, oom_events
+    step_peak = meters.step_peak
     return summarize(
         run,
-        times=times,
-        final_loss=loss_value,
+        plan,
+        progress,
+        times=meters.times,
+        final_loss=loss,
         evaluation=evaluation,
         before=before,
-        peak_bytes=step_peak.bytes if step_peak.bytes else peak_bytes,
-        memory_method=step_peak.method if step_peak.bytes else mem.method,
-        process_peak_bytes=peak_bytes if accelerator == "cpu" else None,
+        peak_bytes=step_peak.bytes if step_peak.bytes else process_peak,
+        memory_method=step_peak.method if step_peak.bytes else meters.memory.method,
+        process_peak_bytes=process_peak if lay.accelerator == "cpu" else None,
         files=files,
-        started=t_run,
+        started=meters.started,
     )

@@ -342,7 +342,7 @@ def allocation_peak(prof) -> int:
     return peak
 
 
-def measured_step(workload: str) -> tuple[float, float]:
+def real_step(workload: str) -> tuple[float, float]:
     """Peak tensor memory and FLOPs of one real training step of a workload's model (bench sizes), after a
     first step that creates the optimizer states. Memory: the profiler's allocations on top of the states
     (StepPeak), an independent check on the traced planner."""

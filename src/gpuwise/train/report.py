@@ -59,13 +59,27 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def render(console: Console, summary: TrainSummary | dict) -> None:
+    """A run's summary in the terminal: quality against its baselines, speed, plan against actual, the same
+    run projected onto catalog GPUs, and any out-of-memory retries."""
     s = TrainSummary.load(summary)
-    ev, base = s.eval, s.baseline
     console.print(
         f"[bold]{s.workload}[/]: {s.steps} steps ({s.epochs:.1f} epochs) on {s.device}, "
         f"{s.precision}, global batch {s.global_batch} = micro-batch {s.micro_batch} x "
         f"{s.accumulation} accumulation · run dir {s.run_dir}"
     )
+    _quality(console, s)
+    if not s.steps:
+        console.print("[dim]no training step of its own: it scored and saved what its parts learned[/]")
+        return
+    _speed(console, s)
+    _plan_vs_actual(console, s)
+    _projection(console, s)
+    for e in s.oom_events:
+        console.print(f"[yellow]! out of memory at step {e.step}: micro-batch {e.from_} -> {e.to}[/]")
+
+
+def _quality(console: Console, s: TrainSummary) -> None:
+    ev, base = s.eval, s.baseline
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     t.add_column("quality (held out)")
     t.add_column("this run", justify="right")
@@ -100,9 +114,9 @@ def render(console: Console, summary: TrainSummary | dict) -> None:
     for name, part in ((s.data or {}).get("parts") or {}).items():  # the runs it was assembled from
         scores = ", ".join(f"{k} {_fmt(v, '.4g')}" for k, v in part.items() if k != "wall_s")
         console.print(f"[dim]part {name}: {scores}; {_fmt(part.get('wall_s'), ',.0f')} s (run dir parts/{name})[/]")
-    if not s.steps:
-        console.print("[dim]no training step of its own: it scored and saved what its parts learned[/]")
-        return
+
+
+def _speed(console: Console, s: TrainSummary) -> None:
     tp = s.throughput
     speed = f"{tp.samples_per_s:,.1f} samples/s" if tp.samples_per_s else "-"
     if tp.tokens_per_s:
@@ -114,6 +128,9 @@ def render(console: Console, summary: TrainSummary | dict) -> None:
     else:
         mfu = f"MFU n/a: {s.peak_flops.origin}"
     console.print(f"Speed: {speed}; {mfu}")
+
+
+def _plan_vs_actual(console: Console, s: TrainSummary) -> None:
     plan, actual, err = s.plan, s.actual, s.estimate_error
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="plan vs actual", title_justify="left")
     for col in ("", "plan", "actual", "error"):
@@ -152,22 +169,22 @@ def render(console: Console, summary: TrainSummary | dict) -> None:
         console.print(
             f"step time: planned at a GPU's published efficiency, not calibrated on this CPU at {s.precision}; {how}"
         )
-    if s.projection:
-        t = Table(
-            box=box.SIMPLE_HEAD, pad_edge=False, title="the same run elsewhere (projection)", title_justify="left"
-        )
-        for col in ("GPU", "precision", "sustained", "time", "cost", "price"):
-            t.add_column(col, justify="left" if col in ("GPU", "precision") else "right")
-        for p in s.projection:
-            priced = p.usd is not None
-            price = f"{p.usd_per_gpu_hour:.2f} $/h {p.provider} ({p.as_of})" if priced else "no price"
-            cost = f"${p.usd:.2g}" if priced else "-"
-            t.add_row(p.gpu, p.precision, f"{p.sustained_tflops:.1f} TFLOPS", f"{p.seconds:.1f} s", cost, price)
-        console.print(t)
-        basis = s.projection[0].basis.split(":")[0]
-        console.print(
-            f"[dim]projection: this run's counted FLOPs / the rate each GPU sustains ({basis}); "
-            "start-up and data loading not included[/]"
-        )
-    for e in s.oom_events:
-        console.print(f"[yellow]! out of memory at step {e.step}: micro-batch {e.from_} -> {e.to}[/]")
+
+
+def _projection(console: Console, s: TrainSummary) -> None:
+    if not s.projection:
+        return
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title="the same run elsewhere (projection)", title_justify="left")
+    for col in ("GPU", "precision", "sustained", "time", "cost", "price"):
+        t.add_column(col, justify="left" if col in ("GPU", "precision") else "right")
+    for p in s.projection:
+        priced = p.usd is not None
+        price = f"{p.usd_per_gpu_hour:.2f} $/h {p.provider} ({p.as_of})" if priced else "no price"
+        cost = f"${p.usd:.2g}" if priced else "-"
+        t.add_row(p.gpu, p.precision, f"{p.sustained_tflops:.1f} TFLOPS", f"{p.seconds:.1f} s", cost, price)
+    console.print(t)
+    basis = s.projection[0].basis.split(":")[0]
+    console.print(
+        f"[dim]projection: this run's counted FLOPs / the rate each GPU sustains ({basis}); "
+        "start-up and data loading not included[/]"
+    )

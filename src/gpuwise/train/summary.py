@@ -9,11 +9,14 @@ from typing import Any
 import numpy as np
 
 from gpuwise.results import TrainSummary
-from gpuwise.train.setup import Run
+from gpuwise.train.runplan import RunPlan
+from gpuwise.train.setup import Progress, Run
 
 
 def summarize(
     run: Run,
+    plan: RunPlan,
+    progress: Progress,
     *,
     times: list[float],
     final_loss: float,
@@ -30,13 +33,13 @@ def summarize(
     ``times``: seconds of each step run by this process; ``started``: time.perf_counter() when this part
     began (the run's `elapsed_before` covers the parts before a resume).
     """
-    cfg, rec, work, run_dir, world, peak = run.cfg, run.rec, run.work, run.run_dir, run.world, run.peak
-    steps, micro, plan, flops_per_step = run.step, run.micro or 1, run.plan, run.flops_per_step
+    lay, rec, work, run_dir = run.layout, run.rec, run.work, run.run_dir
+    cfg, world, peak, figures = lay.cfg, lay.world, plan.peak, plan.figures
+    steps, micro = progress.step, progress.micro or 1
     rank_zero, tokens = run.fabric.is_global_zero, work.tokens_per_sample
-    assert cfg.batch_size is not None  # build() fills it from the workload's defaults
     steady = times[1:] or times  # the first step pays for warm-up
     step_time = float(np.median(steady)) if steady else None
-    samples_per_s = cfg.batch_size / step_time if step_time else None
+    samples_per_s = lay.batch_size / step_time if step_time else None
     actual = {
         "peak_bytes": peak_bytes,
         "step_time_s": step_time,
@@ -48,7 +51,7 @@ def summarize(
             "workload": cfg.workload,
             "run_dir": str(run_dir),
             "steps": steps,
-            "epochs": steps / run.steps_per_epoch,
+            "epochs": steps / lay.steps_per_epoch,
             "final_loss": final_loss,
             "eval": evaluation,
             "baseline": work.baseline or ({"name": "before training", **before} if before else {}),
@@ -56,22 +59,22 @@ def summarize(
                 "samples_per_s": samples_per_s,
                 "tokens_per_s": samples_per_s * tokens if samples_per_s and tokens else None,
             },
-            "mfu": (flops_per_step / step_time / (peak * world)) if peak and step_time else None,
-            "peak_flops": {"per_device": peak, "origin": run.peak_origin},
-            "flops_per_step": flops_per_step,
-            "device": f"{run.accelerator} x {world}",
-            "precision": run.precision,
-            "strategy": run.strategy,
-            "global_batch": cfg.batch_size,
+            "mfu": (plan.flops_per_step / step_time / (peak * world)) if peak and step_time else None,
+            "peak_flops": {"per_device": peak, "origin": plan.peak_origin},
+            "flops_per_step": plan.flops_per_step,
+            "device": f"{lay.accelerator} x {world}",
+            "precision": lay.precision,
+            "strategy": lay.strategy,
+            "global_batch": lay.batch_size,
             "micro_batch": micro,
-            "accumulation": math.ceil(run.share / micro),
-            "oom_events": run.oom_events,
-            "plan": plan,
+            "accumulation": math.ceil(lay.share / micro),
+            "oom_events": progress.oom_events,
+            "plan": dict(figures),
             "actual": actual,
-            "estimate_error": _errors(plan, actual),
+            "estimate_error": _errors(figures, actual),
             "data": work.info,
             "files": files,
-            "wall_s": run.elapsed_before + time.perf_counter() - started,
+            "wall_s": progress.elapsed_before + time.perf_counter() - started,
         }
     )
 
@@ -82,7 +85,7 @@ def summarize(
     if rank_zero:
         from gpuwise.runs.db import try_record
 
-        summary.record_id = try_record("train", run.device_key, cfg.workload, summary.dump(), run_dir=str(run_dir))
+        summary.record_id = try_record("train", plan.device_key, cfg.workload, summary.dump(), run_dir=str(run_dir))
     rec.summary(summary.dump())
     rec.close()
     return summary.dump() if rank_zero else None

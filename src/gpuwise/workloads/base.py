@@ -95,6 +95,12 @@ class Workload(ABC):
         config may name files that have moved since."""
         return None
 
+    def resolve(self, cfg: Any) -> dict[str, Any]:
+        """Option defaults that depend on other options, known before any data loads (say, the method a
+        base model is tuned with), as {field: value} for the fields left unset. Train writes them into the
+        run's config once, before `build`, which reads the config and never changes it. Default: none."""
+        return {}
+
     def parts(self, cfg: Any) -> list[tuple[str, Any]]:
         """Runs this one is assembled from, as (name, TrainConfig with run_dir unset): the loop trains each
         to its end in RUN/parts/NAME before it builds this run, which then reads them from there (e.g. the
