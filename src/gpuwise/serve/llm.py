@@ -18,7 +18,6 @@ from typing import Annotated, Any
 from fastapi import Request  # at module level: FastAPI resolves the routes' annotations here
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from gpuwise.serve import protocol as p
 from gpuwise.serve.decoder import fused_decoder
@@ -376,142 +375,11 @@ class LLM:
         if end["finish"] == "cancelled":
             raise ClientError(499, "client closed the request")
 
-    # --- encode: OpenAI's objects ------------------------------------------------------------------------
-    @staticmethod
-    def _usage(end: dict) -> p.Usage:
-        a, b = end.get("prompt_tokens", 0), end.get("completion_tokens", 0)
-        return p.Usage(prompt_tokens=a, completion_tokens=b, total_tokens=a + b)
-
     def routes(self, ctx: ServeContext) -> None:
-        from fastapi.responses import StreamingResponse
+        from gpuwise.serve.llm_api import add_routes
 
-        app, log = ctx.app, ctx.log
         self._metrics(ctx)
-
-        def sse(obj) -> str:
-            body = obj.model_dump_json(exclude_none=False) if isinstance(obj, BaseModel) else json.dumps(obj)
-            return f"data: {body}\n\n"
-
-        def streaming(gen) -> StreamingResponse:
-            # X-Accel-Buffering: nginx (and proxies that honour it) pass each event on as it comes
-            return StreamingResponse(gen, media_type="text/event-stream", headers={"X-Accel-Buffering": "no"})
-
-        def failed(end: dict) -> str | None:
-            """An error event for a stream that could not finish (OpenAI sends `data: {"error": ...}`)."""
-            if end["finish"] == "timeout":
-                return sse(p.error_body(504, f"stopped at the {self.limits.timeout_s:g} s request timeout"))
-            if end["finish"] == "error":
-                log.error("generation failed: %s", end.get("error"))
-                ctx.internal_errors.inc()
-                return sse(p.error_body(500, "internal error (logged by the server)"))
-            return None
-
-        @app.get("/v1/models", response_model=p.ModelList)
-        async def models() -> p.ModelList:
-            return p.ModelList(data=[p.ModelCard(id=n, created=self.created) for n in self.names])
-
-        @app.get("/v1/models/{name:path}", response_model=p.ModelCard)
-        async def model(name: str) -> p.ModelCard:
-            self._model(name)
-            return p.ModelCard(id=name, created=self.created)
-
-        def body_of(kind: type[BaseModel]) -> dict:
-            """The request body's schema for /docs (the routes read the body themselves, off the event loop),
-            its $defs inlined: OpenAPI resolves a $ref from the document's root, not the schema's."""
-            schema = kind.model_json_schema()
-            defs = schema.pop("$defs", {})
-
-            def inline(node):
-                if isinstance(node, dict):
-                    ref = node.get("$ref", "")
-                    return inline(defs[ref.rsplit("/", 1)[1]]) if ref else {k: inline(v) for k, v in node.items()}
-                return [inline(v) for v in node] if isinstance(node, list) else node
-
-            return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
-
-        @app.post(
-            "/v1/chat/completions", response_model=p.ChatCompletion, openapi_extra=body_of(p.ChatCompletionRequest)
-        )
-        async def chat(request: Request):
-            ask, target, ids, params = await run_in_threadpool(self._chat, await request.body())
-            seq, queue = self._submit(target, ids, params)
-            if not ask.stream:
-                out, end = await self._whole(seq, queue, request)
-                choice = p.ChatChoice(message=p.AssistantMessage(content=out), finish_reason=end["finish"])
-                return p.ChatCompletion(model=ask.model, choices=[choice], usage=self._usage(end))
-            head = dict(id=p.new_id("chatcmpl"), created=p.now(), model=ask.model)
-
-            async def events():
-                yield sse(
-                    p.ChatCompletionChunk(**head, choices=[p.ChunkChoice(delta=p.Delta(role="assistant", content=""))])
-                )
-                async for event in self._events(seq, queue, request):
-                    if "text" in event:
-                        yield sse(
-                            p.ChatCompletionChunk(**head, choices=[p.ChunkChoice(delta=p.Delta(content=event["text"]))])
-                        )
-                    elif (error := failed(event)) is not None:
-                        yield error
-                    elif event["finish"] in ("stop", "length"):
-                        yield sse(
-                            p.ChatCompletionChunk(
-                                **head, choices=[p.ChunkChoice(delta=p.Delta(), finish_reason=event["finish"])]
-                            )
-                        )
-                        if ask.usage_wanted():
-                            yield sse(p.ChatCompletionChunk(**head, choices=[], usage=self._usage(event)))
-                yield "data: [DONE]\n\n"
-
-            return streaming(events())
-
-        @app.post("/v1/completions", response_model=p.Completion, openapi_extra=body_of(p.CompletionRequest))
-        async def completions(request: Request):
-            ask, target, ids, params = await run_in_threadpool(self._completion, await request.body())
-            seq, queue = self._submit(target, ids, params)
-            if not ask.stream:
-                out, end = await self._whole(seq, queue, request)
-                choice = p.CompletionChoice(text=out, finish_reason=end["finish"])
-                return p.Completion(model=ask.model, choices=[choice], usage=self._usage(end))
-            head = dict(id=p.new_id("cmpl"), created=p.now(), model=ask.model)
-
-            async def events():
-                async for event in self._events(seq, queue, request):
-                    if "text" in event:
-                        yield sse(p.Completion(**head, choices=[p.CompletionChoice(text=event["text"])]))
-                    elif (error := failed(event)) is not None:
-                        yield error
-                    elif event["finish"] in ("stop", "length"):
-                        yield sse(
-                            p.Completion(**head, choices=[p.CompletionChoice(text="", finish_reason=event["finish"])])
-                        )
-                        if ask.usage_wanted():
-                            yield sse(p.Completion(**head, choices=[], usage=self._usage(event)))
-                yield "data: [DONE]\n\n"
-
-            return streaming(events())
-
-        @app.post("/v1/generate", response_model=GenerateResponse, openapi_extra=body_of(GenerateRequest))
-        async def generate(request: Request):
-            ask, target, ids, params = await run_in_threadpool(self._generate, await request.body())
-            seq, queue = self._submit(target, ids, params)
-            if not ask.stream:
-                out, end = await self._whole(seq, queue, request)
-                return GenerateResponse(text=out, tokens=end["completion_tokens"], finish_reason=end["finish"])
-
-            async def events():
-                async for event in self._events(seq, queue, request):
-                    if "text" in event:
-                        yield f"data: {json.dumps({'text': event['text']})}\n\n"
-                    elif event["finish"] == "timeout":
-                        late = f"stopped at the {self.limits.timeout_s:g} s request timeout"
-                        yield f"data: {json.dumps({'error': late})}\n\n"
-                    elif event["finish"] == "error":
-                        log.error("generation failed: %s", event.get("error"))
-                        ctx.internal_errors.inc()
-                        yield f"data: {json.dumps({'error': 'internal error (logged by the server)'})}\n\n"
-                yield "data: [DONE]\n\n"
-
-            return streaming(events())
+        add_routes(self, ctx)
 
     def _metrics(self, ctx: ServeContext) -> None:
         """vLLM's serving series, under gpuwise_ names, in the server's registry."""
