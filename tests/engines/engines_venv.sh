@@ -9,29 +9,8 @@
 # kubernetes-validate's bundled schemas). Idempotent: DIR/.installed marks a
 # finished install and makes later runs a no-op. Silent on success; on
 # failure prints pip's log and exits non-zero.
-set -euo pipefail
+source "$(dirname "$0")/venv_common.sh"
 
-if [ "$#" -ne 1 ]; then
-    echo "usage: $0 DIR" >&2
-    exit 2
-fi
-DIR=$1
-PY=${PYTHON:-python3}
-
-if [ -f "$DIR/.installed" ]; then
-    exit 0
-fi
-
-LOG=$(mktemp)
-trap 'rm -f "$LOG"' EXIT
-
-fail() {
-    echo "engines_venv.sh: $1 failed; pip log:" >&2
-    cat "$LOG" >&2
-    exit 1
-}
-
-"$PY" -m venv "$DIR" >"$LOG" 2>&1 || fail "venv creation"
 "$DIR/bin/python" -m pip install -q --disable-pip-version-check \
     skypilot kubernetes-validate >>"$LOG" 2>&1 || fail "pip install"
 "$DIR/bin/python" -c 'import sky, kubernetes_validate' >>"$LOG" 2>&1 \

