@@ -130,7 +130,10 @@ def test_the_plan_of_a_lora_step_on_smollm2_matches_the_step_measured_here(smoll
     - memory against the peak of live tensors (the states plus the profiler's allocations over the step, the
       figure CUDA's max_memory_allocated gives): 10 %;
     - step time, FLOPs / (this CPU's derived fp32 peak x the default 46.2 % efficiency), against the median
-      of three steps: within 50 % (an uncalibrated CPU plan; `gpuwise bench` calibrates the efficiency).
+      of three steps: printed, not asserted. Uncalibrated, a CPU's step time is a guess (train says so in its
+      summary), and hosts differ by more than any fair tolerance: the same step planned at 2.6 s measured
+      3-4 s on one Xeon host and 5.7-5.9 s on another. The calibrated plan is held to 15 %
+      (tests/test_calibrated_time.py).
     The process's resident set is larger than the tensors (math-library buffers; see README, Memory on a CPU)."""
     import statistics
 
@@ -184,8 +187,6 @@ def test_the_plan_of_a_lora_step_on_smollm2_matches_the_step_measured_here(smoll
     # q/k/v/gate/up (the frozen embedding's output needs none): an upper bound, +4.9 % measured for 30 layers.
     assert 1.0 <= planned_flops / counter.get_total_flops() <= 1.08
     assert planned_bytes / measured_bytes == pytest.approx(1, abs=0.10), (planned_bytes, measured_bytes)
-    if planned_s is not None:
-        assert planned_s / statistics.median(times) == pytest.approx(1, abs=0.5), (planned_s, times)
 
 
 def test_a_tokenizer_of_another_model_is_one_line_and_writes_nothing(smollm2, tmp_path, capsys):
