@@ -24,23 +24,79 @@ def trained(tmp: Path, workload: str) -> Path:
     return run
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_chat_model(path: Path) -> Path:
+    """A tiny Llama saved as a Hugging Face model directory, its tokenizer with a chat template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gpuwise.workloads.product_lm import train_tokenizer
+
+    tok = train_tokenizer(["the coffee is good", "my dog likes it", "tea was bad"] * 20, vocab=200)
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def vllm_python() -> str:
+    """vLLM's CPU build in an environment of its own (tests/engines/vllm_venv.sh: about 4 minutes the first
+    time, then nothing); GPUWISE_VLLM_PYTHON names another. Its install failing fails the test: CI installs it."""
+    import os
+    import subprocess
+
+    if python := os.environ.get("GPUWISE_VLLM_PYTHON"):
+        return python
+    venv = ROOT / ".venv-vllm"
+    done = subprocess.run(["bash", str(ROOT / "tests/engines/vllm_venv.sh"), str(venv)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return str(venv / "bin" / "python")
+
+
+class VLLM:
+    """vLLM servers started once for a module's tests, each `Server(..., vllm=v.backends)` a front end of its own."""
+
+    def __init__(self, specs: list[tuple[str, str]], dtype: str = "fp32", max_seqs: int = 4):
+        from gpuwise.serve.models import vllm_backends
+        from gpuwise.workloads.serving import Limits
+
+        self.backends = vllm_backends(specs, Limits(max_seqs=max_seqs), dtype, "cpu", vllm_python(), 600)
+
+    def close(self) -> None:
+        for backend, _ in self.backends:
+            backend.close()
+
+
 class Server:
     """uvicorn in a thread, on a free loopback port, serving one run, or a model given directly."""
 
-    def __init__(self, run: Path | str, **settings):
+    def __init__(self, run: Path | str | list[tuple[str, str]], vllm: list | None = None, **settings):
+        """`run`: a run directory, a model, or [(name, run or model)] as `--model NAME=REF` gives them."""
         import uvicorn
 
         from gpuwise.serve.app import Settings, create_app, server_config
-        from gpuwise.serve.models import is_run, load_model, load_served
+        from gpuwise.serve.models import is_run, load_model, load_models, load_served
         from gpuwise.workloads.serving import Limits
 
         limits = Limits(**settings.pop("limits", {}))
         dtype = settings.pop("dtype", "auto")  # language models: as `gpuwise serve --dtype`
-        if is_run(Path(run)):
+        if vllm is not None:  # vLLM servers started once (VLLM below), behind this server's own limits
+            from gpuwise.serve.llm import LLM
+
+            ends = [(backend.with_limits(limits), names) for backend, names in vllm]
+            self.served = LLM.over(ends, limits, ends[0][0].precision, "cpu", "engine: vllm (the tests' own)")
+        elif isinstance(run, list):
+            self.served = load_models(run, limits, dtype)
+        elif is_run(Path(run)):
             self.served, _ = load_served(Path(run), settings.get("runtime", "torch"), limits, dtype)
         else:
             self.served = load_model(str(run), limits, dtype=dtype)
-        app = create_app(self.served, Settings(str(run), limits=limits, **settings), run_id=Path(run).name,
+        name = run[0][0] if isinstance(run, list) else Path(run).name
+        app = create_app(self.served, Settings(name, limits=limits, **settings), run_id=name,
                          precision="fp32")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

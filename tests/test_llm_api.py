@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 import torch
-from serving import Server, trained
+from serving import VLLM, Server, tiny_chat_model, trained
 
 from gpuwise.serve.packed import packing
 
@@ -25,12 +25,24 @@ def run(tmp_path_factory):
         return trained(tmp, "product-lm")
 
 
+@pytest.fixture(scope="module", params=["gpuwise", "vllm"])
+def engine(request, run):
+    """The engine behind the routes: gpuwise's own (None), or vLLM's CPU build, started once for the module
+    (fp32, 4 sequences) with each test's server a front end of its own."""
+    if request.param == "gpuwise":
+        yield None
+        return
+    vllm = VLLM([(MODEL, str(run))])
+    yield vllm.backends
+    vllm.close()
+
+
 def client(c: httpx.Client, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{c.base_url}/v1", api_key=key, max_retries=0)
 
 
-def test_models_chat_and_completions_through_the_official_client(run):
-    with Server(run, limits={"max_tokens": 64}) as c:
+def test_models_chat_and_completions_through_the_official_client(run, engine):
+    with Server(run, vllm=engine, limits={"max_tokens": 64}) as c:
         oa = client(c)
         assert [m.id for m in oa.models.list().data] == [MODEL]
         chat = oa.chat.completions.create(
@@ -66,8 +78,8 @@ def test_models_chat_and_completions_through_the_official_client(run):
         assert seeded[0].choices[0].text == seeded[1].choices[0].text
 
 
-def test_each_error_is_openai_shaped(run):
-    with Server(run, api_key="k3y", limits={"max_tokens": 64}) as c:
+def test_each_error_is_openai_shaped(run, engine):
+    with Server(run, vllm=engine, api_key="k3y", limits={"max_tokens": 64}) as c:
         oa = client(c, "k3y")
         with pytest.raises(openai.AuthenticationError):
             client(c, "wrong").models.list()
@@ -89,9 +101,9 @@ def test_each_error_is_openai_shaped(run):
             "message", "type", "param", "code"}
 
 
-def test_the_open_webui_call_pattern(run):
+def test_the_open_webui_call_pattern(run, engine):
     """Open WebUI lists the models with its Bearer key, then streams chats with fields of its own."""
-    with Server(run, api_key="sk-webui") as c:
+    with Server(run, vllm=engine, api_key="sk-webui") as c:
         auth = {"Authorization": "Bearer sk-webui"}
         assert c.get("/v1/models").status_code == 401
         models = c.get("/v1/models", headers=auth).json()
@@ -122,18 +134,35 @@ def freed(c, why: str) -> None:
         time.sleep(0.02)
 
 
-def test_a_disconnect_mid_stream_frees_the_slot_and_a_full_queue_is_a_429(run):
-    with Server(run, limits={"max_tokens": 500, "max_seqs": 1, "max_queue": 1}) as c:
+def engine_freed(engine, why: str) -> None:
+    """vLLM's own count of running requests falls to 0: the dropped stream was aborted inside vLLM."""
+    if engine is None:
+        return
+    server = engine[0][0].server
+    deadline = time.time() + 5
+    while True:
+        text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
+        running = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("vllm:num_requests_running")]
+        if running and sum(running) == 0:
+            return
+        assert time.time() < deadline, f"{why}: vLLM still runs {running}"
+        time.sleep(0.05)
+
+
+def test_a_disconnect_mid_stream_frees_the_slot_and_a_full_queue_is_a_429(run, engine):
+    with Server(run, vllm=engine, limits={"max_tokens": 500, "max_seqs": 1, "max_queue": 1}) as c:
         ask = {"model": MODEL, "prompt": "This coffee", "max_tokens": 500, "temperature": 0, "stream": True}
         with c.stream("POST", "/v1/completions", json=ask) as s:
             next(line for line in s.iter_lines() if line.startswith("data: "))
         freed(c, "the dropped stream still holds its slot")
+        engine_freed(engine, "the dropped stream")
         # A client that gives up on a whole (non-streaming) answer frees its slot too, and its generation
         # stops there: it does not run on to max_tokens for nobody.
         before = generated(c)
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/completions", json=ask | {"stream": False}, timeout=0.3)
         freed(c, "the abandoned request still holds its slot")
+        engine_freed(engine, "the abandoned request")
         assert generated(c) - before < ask["max_tokens"]
 
         async def crowd():
@@ -147,10 +176,10 @@ def test_a_disconnect_mid_stream_frees_the_slot_and_a_full_queue_is_a_429(run):
         assert all(not isinstance(r, Exception) or isinstance(r, openai.RateLimitError) for r in results), results
 
 
-def test_greedy_answers_are_the_same_alone_and_in_a_crowd_with_no_5xx(run):
+def test_greedy_answers_are_the_same_alone_and_in_a_crowd_with_no_5xx(run, engine):
     prompts = [f"My {w} is" for w in ("dog", "cat", "tea", "coffee", "food", "order", "box", "bag")]
     # fp32: under bf16 (auto on an AMX CPU) a row's rounding may depend on the batch it is decoded in
-    with Server(run, limits={"max_tokens": 16}, dtype="fp32") as c:
+    with Server(run, vllm=engine, limits={"max_tokens": 16}, dtype="fp32") as c:
         oa = client(c)
         alone = [oa.completions.create(model=MODEL, prompt=q, max_tokens=16, temperature=0).choices[0].text
                  for q in prompts]
@@ -189,20 +218,7 @@ def test_greedy_answers_are_the_same_alone_and_in_a_crowd_with_no_5xx(run):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A tiny Llama saved as a Hugging Face model directory, its tokenizer with a chat template."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from gpuwise.workloads.product_lm import train_tokenizer
-
-    path = tmp_path_factory.mktemp("models") / "tiny-chat"
-    tok = train_tokenizer(["the coffee is good", "my dog likes it", "tea was bad"] * 20, vocab=200)
-    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                         eos_token_id=tok.eos_token_id)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return tiny_chat_model(tmp_path_factory.mktemp("models") / "tiny-chat")
 
 
 def test_a_model_directory_is_served_with_its_chat_template_and_its_plan(model_dir):
@@ -344,10 +360,10 @@ def test_two_adapters_of_one_base_share_it_and_answer_each_its_own(capsys, tmp_p
     assert answers([("b", str(tmp_path / "b"))])["b"] == together["b"]
 
 
-def test_sampling_edges_and_huge_bodies_get_a_4xx_and_stall_no_one(run):
+def test_sampling_edges_and_huge_bodies_get_a_4xx_and_stall_no_one(run, engine):
     import threading
 
-    with Server(run) as c:
+    with Server(run, vllm=engine) as c:
         oa = client(c)
         # a top_p below float32's smallest number (0 there): the likeliest token, as greedy picks it
         tiny = oa.completions.create(model=MODEL, prompt="My dog", max_tokens=6, temperature=1.0, top_p=1e-320)

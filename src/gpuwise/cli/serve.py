@@ -57,6 +57,13 @@ def _check_port_free(host: str, port: int) -> None:
             raise GpuwiseError(f"cannot listen on {host}:{port} ({e.strerror})") from None
 
 
+def _is_lm_run(path: Path) -> bool:
+    """Whether a finished run is a language model's (served behind the OpenAI API, on either engine)."""
+    from gpuwise.train.records import open_finished
+
+    return open_finished(path).workload_def().inputs == "prompts"
+
+
 def serve(
     run_dir: Annotated[
         Path | None,
@@ -117,6 +124,23 @@ def serve(
             help="Language models: auto (bf16 where the GPU or CPU computes it, else fp32), fp32, bf16, fp16."
         ),
     ] = "auto",
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="Language models: the engine that generates. auto: vLLM on CUDA where it is installed, else "
+            "gpuwise's own (on a CPU it measured ahead of vLLM's CPU build; docs/serving.md); gpuwise; vllm.",
+        ),
+    ] = "auto",
+    vllm_python: Annotated[
+        str | None,
+        typer.Option(
+            help="--engine vllm: the Python of an environment with vLLM (e.g. .venv-vllm/bin/python; "
+            "or set GPUWISE_VLLM_PYTHON) [this environment's]. vLLM runs as a child process gpuwise supervises."
+        ),
+    ] = None,
+    vllm_timeout: Annotated[
+        float, typer.Option(min=1, max=86400, help="--engine vllm: seconds vLLM may take to start.")
+    ] = 900.0,
     confirmed: WorkloadOpt = None,
     cors_origin: Annotated[
         list[str] | None,
@@ -141,7 +165,8 @@ def serve(
     from gpuwise.serve.app import Settings, create_app, server_config
     from gpuwise.serve.hosts import allowed_hosts
     from gpuwise.serve.llm import LLM
-    from gpuwise.serve.models import Limits, is_model, load_model, load_models, load_served, parse_models
+    from gpuwise.serve.models import Limits, is_model, load_model, load_models, load_served, load_vllm, parse_models
+    from gpuwise.serve.vllm import choose_engine
 
     floats = (
         ("--timeout", timeout),
@@ -149,6 +174,7 @@ def serve(
         ("--max-body-mb", max_body_mb),
         ("--max-wait-ms", max_wait_ms),
         ("--grace", grace),
+        ("--vllm-timeout", vllm_timeout),
     )
     for flag, value in floats:
         if math.isnan(value):  # click's range check lets nan through (every comparison with it is false)
@@ -174,17 +200,25 @@ def serve(
     onnx_refused = "--runtime onnx applies to image and ranking runs; a language model runs on torch"
     if run_dir is None and not model:
         raise GpuwiseError("give a run or a model to serve (or --model NAME=PATH, repeatable)")
-    if model:
-        if runtime != "torch":
-            raise GpuwiseError(onnx_refused)
+    language = bool(model) or is_model(str(run_dir)) or _is_lm_run(Path(str(run_dir)))
+    if language and runtime != "torch":
+        raise GpuwiseError(onnx_refused)
+    if not language and engine == "vllm":
+        raise GpuwiseError(f"--engine vllm serves language models; {run_dir} is not one")
+    chosen, python, why = choose_engine(engine, vllm_python) if language else ("gpuwise", None, "")
+    if chosen == "vllm":
+        assert python is not None
+        refs = parse_models(([str(run_dir)] if run_dir is not None else []) + list(model or []))
+        served = load_vllm(refs, limits, dtype, python, vllm_timeout, why)
+    elif model:
         specs = parse_models(([str(run_dir)] if run_dir is not None else []) + list(model))
         served = load_models(specs, limits, dtype)
     elif run_dir is not None and not is_model(str(run_dir)):
         served, _ = load_served(run_dir, runtime, limits, dtype)
     else:
-        if runtime != "torch":
-            raise GpuwiseError(onnx_refused)
         served = load_model(str(run_dir), limits, dtype=dtype)
+    if isinstance(served, LLM) and chosen == "gpuwise":
+        served.engine_line = f"engine: gpuwise ({why})"
     if run_dir is None:  # --model alone: /v1/info names the first model
         assert isinstance(served, LLM)
         run_dir = Path(served.names[0])

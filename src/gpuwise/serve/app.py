@@ -268,6 +268,9 @@ def create_app(served, settings: Settings, run_id: str, precision: str):
 
     @app.get("/health")
     async def health() -> dict:
+        # an LLM's engine may have stopped (a vLLM process that died): a 503 tells the orchestrator to restart
+        if (why := served.health() if hasattr(served, "health") else None) is not None:
+            raise ClientError(503, why)
         return {"status": "ok", "workload": served.workload}
 
     trained = _trained(settings.run_dir)

@@ -210,6 +210,12 @@ class Engine:
             self.stats.waiting = len(self.waiting)
             self.cv.notify()
 
+    def cancel(self, seq: Sequence) -> None:
+        seq.cancel()  # the engine thread frees its slot at its next step
+
+    def health(self) -> str | None:
+        return None if self.thread.is_alive() or self.closed else "gpuwise's engine thread has stopped"
+
     def close(self) -> None:
         with self.cv:
             self.closed = True

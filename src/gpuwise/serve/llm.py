@@ -13,6 +13,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Request  # at module level: FastAPI resolves the routes' annotations here
@@ -33,6 +34,7 @@ from gpuwise.serve.engine import (
     kv_bytes_per_token,
     kv_shape,
 )
+from gpuwise.serve.engine_client import EngineClient
 from gpuwise.serve.packed import MKL, ONEDNN, mkl_fits, pack_linears, packing
 from gpuwise.workloads.serving import ClientError, Limits, ServeContext, Text
 
@@ -67,6 +69,15 @@ def chat_prompt(tok, messages: list[p.ChatMessage]) -> str:
     if getattr(tok, "chat_template", None):
         return tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
     return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One submitted request: its sequence, the queue its events arrive on, and the engine running it."""
+
+    seq: Sequence
+    queue: asyncio.Queue
+    engine: EngineClient
 
 
 class Backend:
@@ -104,6 +115,9 @@ class Backend:
             decoder=self.decoder,
             prefix_tokens=limits.prefix_cache_tokens,
         )
+
+    def close(self) -> None:
+        self.engine.close()
 
     def _plan_request(self):
         from gpuwise.plan.request import PlanRequest
@@ -161,25 +175,27 @@ class LLM:
     batched = False
 
     def __init__(self, groups: list, limits: Limits, workload: str = "llm", about: str = "", dtype: str = "auto"):
-        import torch
+        """gpuwise's own engine: one `Backend` per (model, tokenizer, names) group."""
+        device, dtype = llm_device_dtype(dtype)
+        backends = [(Backend(model, tok, limits, dtype, device, EngineStats()), names) for model, tok, names in groups]
+        why = "gpuwise's own continuous-batching engine"
+        self._setup(backends, limits, workload, about, dtype, device, f"engine: gpuwise ({why})")
 
-        from gpuwise.hardware.devices import computes_bf16
+    @classmethod
+    def over(cls, backends: list, limits: Limits, precision: str, device: str, engine: str, **kw) -> LLM:
+        """Over backends built elsewhere (vLLM's: serve/vllm.py): [(backend, [(model id, adapter)])]."""
+        llm = cls.__new__(cls)
+        llm._setup(backends, limits, kw.get("workload", "llm"), kw.get("about", ""), precision, device, engine)
+        return llm
 
-        self.limits, self.workload = limits, workload
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if dtype == "auto":  # bf16 where the hardware computes it; fp32 elsewhere (emulated bf16 is slower)
-            # bf16 decodes faster where it is native, and holds half the bytes (benchmarks/engine_step.py;
-            # docs/benchmarks.md).
-            dtype = "bf16" if computes_bf16(self.device) else "fp32"
-        self.precision = dtype
+    def _setup(self, backends: list, limits: Limits, workload: str, about: str, dtype: str, device: str, engine: str):
+        self.limits, self.workload, self.device, self.precision = limits, workload, device, dtype
+        self.engine_line = engine  # which engine serves, and why: the first line of the start-up plan
         self.created = int(time.time())
-        self.stats: list[EngineStats] = []
-        self.backends: list[Backend] = []
-        self.route: dict[str, tuple[Backend, str | None]] = {}
-        for model, tok, names in groups:
-            self.stats.append(EngineStats())
-            backend = Backend(model, tok, limits, dtype, self.device, self.stats[-1])
-            self.backends.append(backend)
+        self.backends = [b for b, _ in backends]
+        self.stats: list[EngineStats] = [b.engine.stats for b in self.backends]
+        self.route: dict[str, tuple[Any, str | None]] = {}
+        for backend, names in backends:
             for name, adapter in names:
                 self.route[name] = (backend, adapter)
         self.names = list(self.route)
@@ -199,7 +215,7 @@ class LLM:
         return self.backends[0].tok
 
     def plan(self) -> str:
-        return "\n".join(b.plan() for b in self.backends)
+        return "\n".join([self.engine_line, *(b.plan() for b in self.backends)])
 
     def planned_kv_bytes_per_token(self) -> float:
         return self.backends[0].planned_kv_bytes_per_token()
@@ -209,7 +225,11 @@ class LLM:
 
     def close(self) -> None:
         for b in self.backends:
-            b.engine.close()
+            b.close()
+
+    def health(self) -> str | None:
+        """None while every engine can answer; else why not."""
+        return next((why for b in self.backends if (why := b.engine.health())), None)
 
     # --- decode: a request -> token ids ---------------------------------------------------------------
     @staticmethod
@@ -310,9 +330,7 @@ class LLM:
         return ask, target, ids, Params(ask.max_tokens, temperature, ask.top_p, ask.stop)
 
     # --- predict: through the engine -------------------------------------------------------------------
-    def _submit(
-        self, target: tuple[Backend, str | None], ids: list[int], params: Params
-    ) -> tuple[Sequence, asyncio.Queue]:
+    def _submit(self, target: tuple[Any, str | None], ids: list[int], params: Params) -> Stream:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[dict] = asyncio.Queue()
 
@@ -330,36 +348,36 @@ class LLM:
             ) from None
         except ShuttingDown as e:
             raise ClientError(503, str(e)) from None
-        return seq, queue
+        return Stream(seq, queue, backend.engine)
 
-    async def _events(self, seq: Sequence, queue: asyncio.Queue, request: Request | None) -> AsyncIterator[dict]:
-        """The engine's events for `seq`; a client that leaves cancels it (its slot is free next step)."""
-        watcher = asyncio.create_task(self._watch(request, seq, queue)) if request is not None else None
+    async def _events(self, stream: Stream, request: Request | None) -> AsyncIterator[dict]:
+        """The engine's events for the stream; a client that leaves cancels it (its slot is freed)."""
+        watcher = asyncio.create_task(self._watch(request, stream)) if request is not None else None
         try:
             while True:
-                event = await queue.get()
+                event = await stream.queue.get()
                 yield event
                 if "finish" in event:
                     return
         finally:
-            seq.cancel()
+            stream.engine.cancel(stream.seq)
             if watcher is not None:
                 watcher.cancel()
 
     @staticmethod
-    async def _watch(request: Request, seq: Sequence, queue: asyncio.Queue) -> None:
+    async def _watch(request: Request, stream: Stream) -> None:
         """Wait for the client to leave: one task per request blocked on the ASGI channel, rather than a
         poll of `is_disconnected()` per stream (32 streams polling every 50 ms were ~640 wake-ups a second
         on the event loop that also writes every token). The body has been read by now, so `receive()`
         returns only `http.disconnect`: when the client goes, or when the response is complete."""
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        seq.cancel()
-        queue.put_nowait({"finish": "cancelled"})  # end the stream now; the engine frees the slot next step
+        stream.engine.cancel(stream.seq)
+        stream.queue.put_nowait({"finish": "cancelled"})  # end the stream now; the engine frees the slot
 
-    async def _whole(self, seq: Sequence, queue: asyncio.Queue, request: Request) -> tuple[str, dict]:
+    async def _whole(self, stream: Stream, request: Request) -> tuple[str, dict]:
         text, end = "", dict[str, Any]()
-        async for event in self._events(seq, queue, request):
+        async for event in self._events(stream, request):
             text += event.get("text", "")
             end = event if "finish" in event else end
         if not end:
@@ -423,6 +441,18 @@ class LLM:
 
         for s in stats:
             s.on_first_token, s.on_token, s.on_finish, s.on_prefill = ttft.observe, itl.observe, finished, prefilled
+
+
+def llm_device_dtype(dtype: str) -> tuple[str, str]:
+    """(device, dtype) a language model is served on: CUDA where there is one; `auto` is bf16 where the
+    hardware computes it, fp32 elsewhere (emulated bf16 is slower; benchmarks/engine_step.py,
+    docs/benchmarks.md)."""
+    import torch
+
+    from gpuwise.hardware.devices import computes_bf16
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, ("bf16" if computes_bf16(device) else "fp32") if dtype == "auto" else dtype
 
 
 def _free_bytes(device: str) -> int:

@@ -130,16 +130,16 @@ class OpenAIServing:
     async def respond(self, wire: Wire, request: Request):
         llm = self.llm
         ask, target, ids, params = await run_in_threadpool(wire.parse, llm, await request.body())
-        seq, queue = llm._submit(target, ids, params)
+        stream = llm._submit(target, ids, params)
         if not ask.stream:
-            text, end = await llm._whole(seq, queue, request)
+            text, end = await llm._whole(stream, request)
             return wire.whole(ask, text, end)
         head = wire.head(ask)
 
         async def events():
             for event in wire.opening(head):
                 yield event
-            async for event in llm._events(seq, queue, request):
+            async for event in llm._events(stream, request):
                 if "text" in event:
                     yield wire.piece(head, event["text"])
                 elif (failure := self._failure(wire, event)) is not None:

@@ -97,11 +97,9 @@ def load_model(ref: str, limits: Limits, name: str | None = None, dtype: str = "
     return LLM.single(model, tok, name or model_id(ref), limits, workload="llm", about=about, dtype=dtype)
 
 
-def load_models(specs: list[tuple[str, str]], limits: Limits, dtype: str = "auto"):
-    """Several language models in one server (`--model NAME=REF`, repeatable). A language-model LoRA run is its
-    adapter over its base: runs over the same base share one copy of it and one running batch, and a base
-    named too is served from that same copy."""
-    from gpuwise.serve.llm import LLM
+def model_groups(specs: list[tuple[str, str]]) -> dict[str, list[tuple[str, Path | None]]]:
+    """`--model NAME=REF` specs -> {the base's source: [(name, its LoRA adapter or None)]}. A language-model
+    LoRA run is its adapter over its base: runs over the same base share one copy of it."""
     from gpuwise.train.records import open_finished
     from gpuwise.workloads.pretrained import SCRATCH, quiet_transformers, resolve_base
 
@@ -125,6 +123,16 @@ def load_models(specs: list[tuple[str, str]], limits: Limits, dtype: str = "auto
             found = resolve_base(ref, flag="--model")
             source, adapter = (str(Path(found).resolve()) if Path(found).exists() else found), None
         groups.setdefault(source, []).append((name, adapter))
+    return groups
+
+
+def load_models(specs: list[tuple[str, str]], limits: Limits, dtype: str = "auto"):
+    """Several language models in one server (`--model NAME=REF`, repeatable) on gpuwise's engine: LoRA runs
+    over the same base share one copy of it and one running batch, and a base named too is served from that
+    same copy."""
+    from gpuwise.serve.llm import LLM
+
+    groups = model_groups(specs)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     built = []
@@ -143,6 +151,40 @@ def load_models(specs: list[tuple[str, str]], limits: Limits, dtype: str = "auto
             raise GpuwiseError(f"--model {source}: its tokenizer has no end-of-text token")
         built.append((model, tok, [(n, n if a is not None else None) for n, a in entries]))
     return LLM(built, limits, dtype=dtype)
+
+
+def load_vllm(specs: list[tuple[str, str]], limits: Limits, dtype: str, python: str, timeout_s: float, why: str):
+    """The same models served by vLLM (serve/vllm.py): one vLLM server per base, its LoRA runs as vLLM's LoRA
+    modules. gpuwise loads only the tokenizer and the config: the weights are vLLM's to hold."""
+    from gpuwise.serve.llm import LLM, llm_device_dtype
+
+    device, dtype = llm_device_dtype(dtype)
+    backends = vllm_backends(specs, limits, dtype, device, python, timeout_s)
+    return LLM.over(backends, limits, dtype, device, f"engine: vllm ({why})")
+
+
+def vllm_backends(specs: list[tuple[str, str]], limits: Limits, dtype: str, device: str, python: str, timeout_s: float):
+    """[(VLLMBackend, [(model id, adapter)])]: one started vLLM server per base."""
+    from gpuwise.serve.vllm import VLLMBackend
+
+    groups = model_groups(specs)
+    from transformers import AutoConfig, AutoTokenizer
+
+    backends: list = []
+    try:
+        for source, entries in groups.items():
+            with loading_model(source, "--model"):
+                tok = AutoTokenizer.from_pretrained(source)
+                config = AutoConfig.from_pretrained(source)
+            if tok.eos_token_id is None:
+                raise GpuwiseError(f"--model {source}: its tokenizer has no end-of-text token")
+            backend = VLLMBackend(source, tok, config, entries, limits, dtype, device, python, timeout_s)
+            backends.append((backend, [(n, n if a is not None else None) for n, a in entries]))
+    except BaseException:  # a later base failed: the servers already started stop with it
+        for backend, _ in backends:
+            backend.close()
+        raise
+    return backends
 
 
 def parse_models(values: list[str]) -> list[tuple[str, str]]:

@@ -220,10 +220,11 @@ def require_finished(run_dir: Path) -> None:
 
 
 def open_finished(run_dir: Path) -> TrainConfig:
-    """The config of a run that finished training, for predict, serve and export; one line if it is not one."""
+    """The config of a run that finished training, for predict, serve and export, resolved as train resolved
+    it (`Workload.resolve`; a run recorded before that hook kept its options unset); one line if it is not one."""
     cfg = load_config(run_dir)
     require_finished(run_dir)
-    return cfg
+    return cfg.filled(cfg.workload_def().resolve(cfg))
 
 
 def _metric_lines(path: Path):

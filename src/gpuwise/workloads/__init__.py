@@ -13,5 +13,7 @@ __all__ = ["BenchStep", "OnnxSignature", "Training", "Workload", "build", "place
 
 
 def build(cfg: Any, run_dir: Path) -> Training:
-    """The training side of the workload a TrainConfig names, built for this run."""
-    return cfg.workload_def().build(cfg, run_dir)
+    """The training side of the workload a TrainConfig names, built for this run, from its config resolved
+    (`Workload.resolve`: a no-op on a config train or launch resolved already)."""
+    workload = cfg.workload_def()
+    return workload.build(cfg.filled(workload.resolve(cfg)), run_dir)

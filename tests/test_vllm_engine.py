@@ -1,0 +1,212 @@
+"""`gpuwise serve --engine vllm`: vLLM's CPU build, in an environment of its own (tests/engines/vllm_venv.sh),
+behind gpuwise's OpenAI API. The OpenAI surface over both engines is tests/test_llm_api.py's, parametrized;
+here what only vLLM needs: the CLI that starts, supervises and stops it, greedy agreement with gpuwise's engine
+on the real SmolLM2, two product-lm LoRA runs, a vLLM that dies, and a missing or failing one."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from serving import VLLM, Server, tiny_chat_model, vllm_python
+
+from gpuwise.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = "smollm2-135m-instruct"
+PROMPTS = ["What is a GPU?", "Write a haiku about coffee.", "Name three uses of a recommender system.",
+           "How should I store green tea?"]
+# Greedy tokens that must agree. Both engines run the same fp32 weights, but with other kernels (vLLM's CPU
+# attention and GEMMs; gpuwise's fused decoder over oneDNN), so sums are taken in another order and differ in
+# the last bits. A greedy step whose two best logits lie that close would go another way and the texts part
+# from there. Over these prompts the texts agreed for all of 128 tokens (docs/serving.md); 64 leaves a margin.
+AGREE_TOKENS = 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_health(url: str, proc: subprocess.Popen, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while True:
+        assert proc.poll() is None, "gpuwise serve exited"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, "gpuwise serve --engine vllm did not come up"
+        time.sleep(0.5)
+
+
+def oa_sync(c: httpx.Client) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{c.base_url}/v1", api_key="x", max_retries=0)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.slow
+def test_the_cli_serves_smollm2_through_vllm_as_gpuwise_does_and_stops_it(tmp_path):
+    """From the CLI: the plan line names the engine and why, and vLLM's knobs; greedy chats agree with gpuwise's
+    engine for AGREE_TOKENS tokens; SIGTERM stops gpuwise and the vLLM under it."""
+    port = free_port()
+    out = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "gpuwise", "serve", BASE, "--engine", "vllm", "--vllm-python", vllm_python(),
+           "--dtype", "fp32", "--max-seqs", "4", "--max-tokens", str(AGREE_TOKENS), "--port", str(port)]
+    with open(out, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"COLUMNS": "400"})
+    try:
+        wait_health(f"http://127.0.0.1:{port}", proc, 600)
+        printed = out.read_text()
+        assert "engine: vllm (--engine vllm; vLLM 0.32.0 at" in printed, printed
+        for knob in ("tensor_parallel_size 1", "max_model_len 8,192", "(VLLM_CPU_KVCACHE_SPACE)", "max_num_seqs 4",
+                     "dtype float32", "prefix caching on", "the same server by hand: VLLM_CPU_KVCACHE_SPACE="):
+            assert knob in printed, (knob, printed)
+        vllm_pid = int(re.search(r"pid (\d+), loopback port", printed).group(1))
+
+        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        ask = {"max_tokens": AGREE_TOKENS, "temperature": 0}
+        through_vllm = [oa.chat.completions.create(model=BASE, messages=[{"role": "user", "content": q}], **ask)
+                        for q in PROMPTS]
+        with Server(BASE, dtype="fp32", limits={"max_tokens": AGREE_TOKENS}) as c:
+            own = openai.OpenAI(base_url=f"{c.base_url}/v1", api_key="x", max_retries=0)
+            through_gpuwise = [own.chat.completions.create(model=BASE, messages=[{"role": "user", "content": q}],
+                                                           **ask) for q in PROMPTS]
+        for v, g in zip(through_vllm, through_gpuwise, strict=True):
+            assert v.choices[0].message.content == g.choices[0].message.content
+            assert v.usage.completion_tokens == g.usage.completion_tokens  # the end-of-text token is not counted
+            assert v.choices[0].finish_reason == g.choices[0].finish_reason
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == -signal.SIGTERM  # uvicorn re-raises the signal once drained: the usual exit
+        deadline = time.time() + 5
+        while alive(vllm_pid):
+            assert time.time() < deadline, "vLLM outlived gpuwise serve"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """A full fine-tune as the base and two LoRA runs over it (seeds 1 and 2, a high rate: their greedy answers
+    differ), as tests/test_llm_api.py trains them."""
+    from train_data import reviews_jsonl
+
+    tmp = tmp_path_factory.mktemp("lora")
+    data = reviews_jsonl(tmp / "r.jsonl")
+    small = f"train product-lm --data {data} --block-size 32 --batch-size 4 --json"
+    assert main(f"{small} --base scratch --method full --max-steps 1 --run-dir {tmp / 'base'}".split()) == 0
+    for name, seed in (("a", 1), ("b", 2)):
+        cmd = f"{small} --base {tmp / 'base' / 'model'} --method lora --lr 0.05 --max-steps 3 --seed {seed}"
+        assert main(f"{cmd} --run-dir {tmp / name}".split()) == 0
+    return [(n, str(tmp / n)) for n in ("a", "b", "base")]
+
+
+@pytest.mark.slow
+def test_two_lora_runs_answer_through_vllm_as_on_gpuwise_and_a_dead_vllm_is_one_line(lora_runs):
+    """Two product-lm LoRA runs and their base in one vLLM (its LoRA modules; the base through a zero adapter,
+    so that it is not given an adapter's output in a mixed batch) answer as on gpuwise's engine, alone and all
+    at once. Then vLLM is killed: /health and the next request say so in one line, nothing hangs."""
+    import asyncio
+
+    ask = {"max_tokens": 12, "temperature": 0}
+    prompts = ["This coffee", "My dog likes"]
+
+    def answers(vllm_backends) -> dict:
+        """{(model, prompt): (text, tokens)}, asked one at a time and then all at once. A run this small often
+        generates bytes that are not UTF-8: gpuwise's detokenizer shows each as U+FFFD, vLLM's drops them, so
+        the texts are compared without U+FFFD and the token counts beside them."""
+        keys = [(n, q) for n, _ in lora_runs for q in prompts]
+        with Server(lora_runs, vllm=vllm_backends, dtype="fp32") as c:
+            oa = openai.AsyncOpenAI(base_url=f"{c.base_url}/v1", api_key="x", max_retries=0)
+
+            def seen(r) -> tuple[str, int]:
+                return r.choices[0].text.replace("\ufffd", ""), r.usage.completion_tokens
+
+            async def all_at_once():
+                return [seen(r) for r in await asyncio.gather(
+                    *(oa.completions.create(model=n, prompt=q, **ask) for n, q in keys))]
+
+            alone = {(n, q): seen(oa_sync(c).completions.create(model=n, prompt=q, **ask)) for n, q in keys}
+            assert dict(zip(keys, asyncio.run(all_at_once()), strict=True)) == alone
+            return alone
+
+    ours = answers(None)
+    assert len({tuple(ours[n, q] for q in prompts) for n, _ in lora_runs}) == 3  # each model its own answers
+    vllm = VLLM(lora_runs)
+    try:
+        assert "LoRA: max_lora_rank 16, 3 module(s)" in vllm.backends[0][0].plan()  # product-lm: rank 16
+        assert answers(vllm.backends) == ours
+
+        server = vllm.backends[0][0].server
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        deadline = time.time() + 20
+        while server.died is None:
+            assert time.time() < deadline, "the death of vLLM went unnoticed"
+            time.sleep(0.1)
+        assert server.died.startswith("the vLLM engine exited (code -9)") and "\n" not in server.died
+        with Server(lora_runs, vllm=vllm.backends) as c:
+            health = c.get("/health")
+            assert health.status_code == 503 and health.json()["error"]["message"] == server.died
+            r = c.post("/v1/completions", json={"model": "a", "prompt": "x", **ask})
+            assert r.status_code == 503 and "the vLLM engine exited" in r.json()["error"]["message"]
+    finally:
+        vllm.close()
+
+
+def one_line_error(capsys, args: list[str]) -> str:
+    capsys.readouterr()
+    assert main(["serve", *args, "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith("  vllm | ")]  # vLLM's own log, above it
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_a_missing_vllm_is_one_line(capsys, monkeypatch):
+    monkeypatch.delenv("GPUWISE_VLLM_PYTHON", raising=False)
+    assert "--vllm-python /nonexistent/python: no such executable" in one_line_error(
+        capsys, [BASE, "--engine", "vllm", "--vllm-python", "/nonexistent/python"])
+    assert f"--vllm-python {sys.executable}: that Python cannot import vllm" in one_line_error(
+        capsys, [BASE, "--engine", "vllm", "--vllm-python", sys.executable])
+    assert "--engine vllm: vLLM is not installed here" in one_line_error(capsys, [BASE, "--engine", "vllm"])
+    assert "--engine tgi: choose auto, gpuwise, vllm" in one_line_error(capsys, [BASE, "--engine", "tgi"])
+
+
+def test_a_vllm_that_fails_to_start_is_one_line_with_its_log_and_leaves_nothing(capsys, tmp_path):
+    """A Python whose vLLM exits at start-up (a stand-in: a real one takes 16 s to fail), then the real vLLM
+    given 2 s: both one line naming the log, the log's end shown above it, no process left behind."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\nif [ "$1" = -c ]; then echo 0.32.0; exit 0; fi\n'
+                    'echo "INFO starting"; echo "ValueError: no model here"; exit 1\n')
+    fake.chmod(0o755)
+    model = str(tiny_chat_model(tmp_path / "tiny-chat"))
+    line = one_line_error(capsys, [model, "--engine", "vllm", "--vllm-python", str(fake), "--dtype", "fp32"])
+    said = r"gpuwise: error: vLLM exited during start-up \(exit code 1\): ValueError: no model here"
+    assert re.fullmatch(said + r" · its log: /\S+/vllm\.log", line), line
+    assert "ValueError: no model here" in Path(line.rsplit("its log: ", 1)[1]).read_text()
+
+    before = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True, text=True).stdout.split()
+    line = one_line_error(capsys, [model, "--engine", "vllm", "--vllm-python", vllm_python(), "--vllm-timeout", "2",
+                                   "--dtype", "fp32"])
+    assert "vLLM did not answer within 2 s (--vllm-timeout)" in line, line
+    after = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True, text=True).stdout.split()
+    assert after == before, "the vLLM that missed its deadline was left running"
