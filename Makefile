@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
+
+# vLLM's CPU build in an environment of its own, for `gpuwise serve --engine vllm --vllm-python .venv-vllm/bin/python`
+# (docs/serving.md, "Install vLLM"); the tests make it too, once.
+vllm:
+	bash tests/engines/vllm_venv.sh .venv-vllm
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_speed.py

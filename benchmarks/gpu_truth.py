@@ -84,14 +84,19 @@ def steps(out: Path, cuda: bool) -> list[Step]:
         extra = extra if cuda else ["--max-steps", "3"]
         argv = gpuwise("train", name, *extra, "--run-dir", str(out / "runs" / name), "--json")
         plan.append(Step(f"train {name}", argv, 150, minimum=30))
+    # vLLM beside gpuwise's engine where the machine has it (the GPU machine reaches no package index: it
+    # must be in its image, or named by GPUWISE_VLLM_PYTHON)
+    from gpuwise.serve.vllm import find_vllm
+
+    vllm = find_vllm(None) if cuda else None
+    servers = ["--servers", "gpuwise,gpuwise-vllm,vllm", "--vllm-python", vllm[0]] if vllm else ["--servers", "gpuwise"]
     plan.append(
         Step(
             "llm endpoint",
             [
                 sys.executable,
                 "benchmarks/llm_serve_load.py",
-                "--servers",
-                "gpuwise",
+                *servers,
                 "--dtypes",
                 "bf16",
                 "--levels",
@@ -103,7 +108,7 @@ def steps(out: Path, cuda: bool) -> list[Step]:
                 "--json",
                 str(out / "llm_serve_load.json"),
             ],
-            240,
+            420 if vllm else 240,  # vLLM captures CUDA graphs as it starts: a minute or two
             needs_cuda=True,
             minimum=90,
         )

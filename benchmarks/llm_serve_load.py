@@ -61,13 +61,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+CONTEXT = 2048  # --max-model-len for every gpuwise and vLLM server: vLLM preallocates the KV cache it implies
+
+
+def vllm_alone(model_dir: str, dtype: str, port: int, python: str) -> tuple[list[str], dict[str, str]]:
+    """vLLM's own server with the knobs `gpuwise serve --engine vllm` gives it (plan.engines.VLLMArgs)."""
+    from gpuwise.plan.engines import VLLMArgs, cpu_kv_gib
+
+    per_token = 2 * 30 * 3 * 64 * {"fp32": 4, "bf16": 2}[dtype]  # K and V x SmolLM2-135M's layers x KV heads x dim
+    args = VLLMArgs(model_dir, Path(model_dir).name, dtype, CONTEXT, 32, device="cpu", eager=True,
+                    kv_cache_gib=cpu_kv_gib(32 * CONTEXT, per_token))  # fmt: skip
+    return [python, "-m", "vllm.entrypoints.openai.api_server", *args.args(), "--port", str(port)], args.env()
+
+
 def start(
-    kind: str, model_dir: str, dtype: str, log: Path, device: str = "cpu", extra: tuple[str, ...] = (), src: str = ""
+    kind: str,
+    model_dir: str,
+    dtype: str,
+    log: Path,
+    device: str = "cpu",
+    extra: tuple[str, ...] = (),
+    src: str = "",
+    vllm_python: str = "",
 ) -> tuple[subprocess.Popen, str, str]:
     """(process, base URL, model id) of a fresh server; `extra`: more flags for gpuwise; `src`: another
     checkout's src/ to run gpuwise from (its PYTHONPATH entry comes before the editable install's)."""
     port = free_port()
-    if kind.startswith("gpuwise"):
+    env: dict[str, str] = {}
+    if kind == "vllm":
+        cmd, env = vllm_alone(model_dir, dtype, port, vllm_python)
+        model = Path(model_dir).name
+    elif kind.startswith("gpuwise"):
         cmd = [
             sys.executable,
             "-m",
@@ -84,6 +108,10 @@ def start(
             "32",
         ]
         cmd += ["--prefix-cache", "0"] if kind == "gpuwise-no-prefix" else []
+        cmd += ["--max-model-len", str(CONTEXT), "--engine", "gpuwise"]
+        if kind == "gpuwise-vllm":
+            cmd[-1] = "vllm"
+            cmd += ["--vllm-python", vllm_python]
         cmd += list(extra)
         model = Path(model_dir).name
     else:
@@ -107,10 +135,10 @@ def start(
         cmd,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
-        env=dict(os.environ, GPUWISE_DB=str(log.with_suffix(".sqlite")), **({"PYTHONPATH": src} if src else {})),
+        env=dict(os.environ, GPUWISE_DB=str(log.with_suffix(".sqlite")), **({"PYTHONPATH": src} if src else {}), **env),
     )
     url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.time() + 300
+    deadline = time.time() + 900  # vLLM's CPU build: about a minute
     while time.time() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"{kind} exited: {log.read_text()[-2000:]}")
@@ -224,7 +252,17 @@ def bounds(params: int, dtype: str, device: str = "cpu") -> dict[int, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default=None, help="fp32,bf16 (default: fp32, plus bf16 where it is native)")
-    ap.add_argument("--servers", default="gpuwise,gpuwise-no-prefix,hf,hf-cb")
+    ap.add_argument(
+        "--servers",
+        default="gpuwise,gpuwise-no-prefix,hf,hf-cb",
+        help="of gpuwise, gpuwise-no-prefix, gpuwise-vllm (gpuwise serve --engine vllm), vllm (vLLM's own server, "
+        "the same knobs), hf, hf-cb",
+    )
+    ap.add_argument(
+        "--vllm-python",
+        default=os.environ.get("GPUWISE_VLLM_PYTHON", str(Path(__file__).parents[1] / ".venv-vllm/bin/python")),
+        help="the Python of vLLM's environment (tests/engines/vllm_venv.sh makes .venv-vllm)",
+    )
     ap.add_argument("--rounds", type=int, default=2, help="each level, each server, this many times, interleaved")
     ap.add_argument("--levels", default="1,8,32", help="concurrency levels, of 1, 8, 32")
     ap.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
@@ -259,6 +297,8 @@ def main() -> None:
         "gpuwise-no-prefix": "gpuwise --prefix-cache 0",
         "hf": "transformers serve",
         "hf-cb": "transformers serve --cb",
+        "gpuwise-vllm": "gpuwise --engine vllm",
+        "vllm": "vLLM alone",
     }
     logs = Path(tempfile.mkdtemp())
     rows = []
@@ -273,8 +313,9 @@ def main() -> None:
         servers = {}
         try:
             for kind in kinds:
+                log = logs / f"{kind}-{dtype}.log"
                 servers[kind] = start(
-                    kind, model_dir, dtype, logs / f"{kind}-{dtype}.log", args.device, src=src.get(kind, "")
+                    kind, model_dir, dtype, log, args.device, src=src.get(kind, ""), vllm_python=args.vllm_python
                 )
                 asyncio.run(level(servers[kind][1], servers[kind][2], 1, 1))  # warm-up
             idle = {kind: cpu_seconds(proc.pid) for kind, (proc, _, _) in servers.items()}
@@ -299,7 +340,7 @@ def main() -> None:
                             f"{dtype} round {r + 1} {names[kind]} c={c}: {tps:.1f} tok/s", file=sys.stderr, flush=True
                         )
             for kind, (_, url, _) in servers.items():
-                if kind.startswith("gpuwise"):
+                if kind.startswith("gpuwise") and kind != "gpuwise-vllm":  # vLLM's prefix cache is its own
                     hits[dtype, names[kind]] = prefix_hits(url)
         finally:
             for proc, _, _ in servers.values():
@@ -338,6 +379,10 @@ def main() -> None:
             print(f"{dtype}: gpuwise at 32 / at 1 = {ours[32] / ours[1]:.2f} (goal >= 3)")
         if ours[1] and plain:
             print(f"{dtype}: at 1, gpuwise / transformers = {ours[1] / plain:.2f} (goal >= 1)")
+        for name in ("gpuwise --engine vllm", "vLLM alone"):
+            for c in LEVELS:
+                if ours[c] and (theirs := by.get((dtype, name, c))):
+                    print(f"{dtype}: at {c}, gpuwise's engine / {name} = {ours[c] / theirs:.2f} (--engine auto's rule)")
 
 
 if __name__ == "__main__":

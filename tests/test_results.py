@@ -100,7 +100,7 @@ def test_plan_round_trips_as_the_same_json(catalog, model, kw):
 def test_plan_json_and_record_keep_their_keys(capsys):
     assert main(["plan", "--model", "llama-2-7b", "--gpu", "h100-sxm", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert list(out) == PLAN_KEYS + ["record_id"]
+    assert list(out) == PLAN_KEYS + ["serving", "record_id"]  # serving: an inference plan's (the default task)
     [row] = db.rows("plan")
     assert same_json(PlanResult.load(row["data"]).dump(), row["data"])
 

@@ -210,3 +210,78 @@ def test_a_vllm_that_fails_to_start_is_one_line_with_its_log_and_leaves_nothing(
     assert "vLLM did not answer within 2 s (--vllm-timeout)" in line, line
     after = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True, text=True).stdout.split()
     assert after == before, "the vLLM that missed its deadline was left running"
+
+
+def test_plan_inference_names_the_engine_and_prints_a_vllm_command_vllm_takes(capsys):
+    """`gpuwise plan --task inference`: the vLLM line for the recommended accelerator, parsed by vLLM's own
+    argument parser and checks (tests/engines/check_vllm_args.py), and the knobs it set are the plan's."""
+    import json
+
+    cases = [
+        (["--model", "llama-3.1-405b", "--gpu", "h100-sxm", "--gpus", "16", "--tp", "8", "--pp", "2"],
+         "8 2 2048 {seqs} bfloat16 True ray 0.9"),
+        (["--model", "llama-3.1-8b", "--precision", "fp8", "--seq", "4096"], "1 1 4096 {seqs} bfloat16 True None 0.9"),
+    ]
+    for flags, parsed in cases:
+        capsys.readouterr()
+        assert main(["plan", *flags, "--task", "inference", "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        serving = plan["serving"]
+        assert serving["engine"] == "vllm" and serving["command"].endswith(" ".join(serving["vllm"][-2:]))
+        assert plan["max_batch"] >= 1 and serving["vllm"][serving["vllm"].index("--max-num-seqs") + 1] == str(
+            plan["max_batch"])
+        done = subprocess.run([vllm_python(), str(ROOT / "tests/engines/check_vllm_args.py"), *serving["vllm"]],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().splitlines()[-1] == parsed.format(seqs=plan["max_batch"])
+
+    from gpuwise.plan.engines import serving_plan
+
+    on_cpu = serving_plan(plan, "HuggingFaceTB/SmolLM2-135M-Instruct", "", 0, "cpu")
+    assert on_cpu["engine"] == "gpuwise" and "level with vLLM-CPU or ahead at 32 streams" in on_cpu["why"]
+    assert on_cpu["command"].startswith("VLLM_CPU_KVCACHE_SPACE=") and "--enforce-eager" in on_cpu["vllm"]
+    assert "--gpu-memory-utilization" not in on_cpu["vllm"]
+
+
+def test_the_vllm_plan_of_lora_runs_routes_each_model_and_vllm_takes_its_arguments(lora_runs, tmp_path):
+    """What `gpuwise serve --engine vllm` would start, without starting it: the routes, the zero adapter the
+    base goes through when it is served beside its adapters, the knobs, and vLLM's own parser taking them."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    from gpuwise.errors import GpuwiseError
+    from gpuwise.serve.models import model_groups
+    from gpuwise.serve.vllm import ZERO_ADAPTER, VLLMBackend
+    from gpuwise.workloads.serving import Limits
+
+    ((source, entries),) = model_groups(lora_runs).items()
+    tok, config = AutoTokenizer.from_pretrained(source), AutoConfig.from_pretrained(source)
+    limits = Limits(max_seqs=4, max_model_len=256, prefix_cache_tokens=0)
+    together = VLLMBackend(source, tok, config, entries, limits, "bf16", "cpu")
+    assert together.route == {"a": "a", "b": "b", None: ZERO_ADAPTER} and together.args.served_name == "base"
+    modules = dict(together.args.lora_modules)
+    assert list(modules) == ["a", "b", ZERO_ADAPTER]
+    zero, a = (load_file(str(Path(modules[n]) / "adapter_model.safetensors")) for n in (ZERO_ADAPTER, "a"))
+    assert zero.keys() == a.keys() and any("lora_B" in k for k in zero)
+    assert all(not v.any() if "lora_B" in k else v.equal(a[k]) for k, v in zero.items())
+    args = together.args.args()
+    for flag, value in (("--max-model-len", "256"), ("--max-num-seqs", "4"), ("--max-lora-rank", "16"),
+                        ("--dtype", "bfloat16"), ("--load-format", "safetensors"), ("--max-loras", "3")):
+        assert args[args.index(flag) + 1] == value, flag
+    assert "--no-enable-prefix-caching" in args and "--enforce-eager" in args
+    assert together.args.env()["VLLM_CPU_KVCACHE_SPACE"] == "1"  # 4 x 256 tokens: the least vLLM takes, 1 GiB
+    done = subprocess.run([vllm_python(), str(ROOT / "tests/engines/check_vllm_args.py"), *args],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    alone = VLLMBackend(source, tok, config, entries[:1], limits, "bf16", "cpu")  # a LoRA run by itself
+    assert alone.args.served_name == "gpuwise-base-model" and alone.route == {"a": "a", None: "gpuwise-base-model"}
+    assert [n for n, _ in alone.args.lora_modules] == ["a"]
+
+    planted = tmp_path / "planted"  # an adapter as pickle only: vLLM would unpickle it; refused first
+    shutil.copytree(entries[0][1], planted)
+    (planted / "adapter_model.safetensors").rename(planted / "adapter_model.bin")
+    with pytest.raises(GpuwiseError, match="no adapter_model.safetensors"):
+        VLLMBackend(source, tok, config, [("a", planted)], limits, "bf16", "cpu")

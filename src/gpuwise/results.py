@@ -213,12 +213,23 @@ class PlanOption(PlanFields):
     fastest: bool = Field(False, description="the fastest option that fits (no tensor parallel over PCIe)")
 
 
+class ServingPlan(Result):
+    """`--task inference`: how `gpuwise serve` would serve the model on the recommended accelerator."""
+
+    engine: str = Field(description="the engine `gpuwise serve --engine auto` picks there: vllm or gpuwise")
+    why: str = Field(description="the rule behind the choice (docs/serving.md)")
+    vllm: list[str] | None = Field(None, description="vLLM's OpenAI-server arguments set from this plan")
+    command: str | None = Field(None, description="the shell line that starts that vLLM server")
+    summary: str | None = Field(None, description="vLLM's knobs, as `gpuwise serve` prints them")
+
+
 class PlanResult(PlanFields):
     """`gpuwise plan --json`: the recommended option's fields at the top, every option under `options`."""
 
     recommended: bool | None = Field(None, description="whether the top option fits (false: nothing fits)")
     assumptions: list[Assumption] = Field(default_factory=list, description="every assumption the plan used")
     options: list[PlanOption] = Field(default_factory=list, description="every accelerator planned, best first")
+    serving: ServingPlan | None = Field(None, description="--task inference: the engine and vLLM's command line")
     record_id: int | None = Field(None, description="id in the run record (`gpuwise runs`); null if not recorded")
 
 

@@ -200,6 +200,11 @@ def render_plan(console: Console, res: PlanResult | dict, sweep: bool) -> None:
         if res.fits:
             console.print(f"Recommended: [bold]{res.gpus} x {res.gpu}[/]\n")
     _render_detail(console, res)
+    if res.serving is not None:
+        s = res.serving
+        console.print(f"[bold]Serving[/]: engine {s.engine} ({s.why})" + (f"\n{s.summary}" if s.summary else ""))
+        if s.command:
+            console.print(f"the vLLM server by hand: {s.command}", soft_wrap=True, markup=False)
 
 
 def render_traced(console: Console, result: dict | TracedPlan) -> None:

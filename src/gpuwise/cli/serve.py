@@ -118,6 +118,15 @@ def serve(
             "alike (a chat template, a system prompt, earlier turns) run only what differs; 0: off.",
         ),
     ] = 4096,
+    max_model_len: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=10_000_000,
+            help="Language models: the longest prompt + answer, in tokens; it bounds the KV cache each "
+            "sequence may take (vLLM preallocates it). 0: the model's own context.",
+        ),
+    ] = 0,
     dtype: Annotated[
         str,
         typer.Option(
@@ -196,6 +205,7 @@ def serve(
         max_seqs=max_seqs,
         max_queue=max_queue,
         prefix_cache_tokens=prefix_cache,
+        max_model_len=max_model_len,
     )
     onnx_refused = "--runtime onnx applies to image and ranking runs; a language model runs on torch"
     if run_dir is None and not model:

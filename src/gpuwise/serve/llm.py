@@ -99,7 +99,7 @@ class Backend:
             self.packed, self.packed_bytes = self.decoder.packed()
         else:
             self.packed, self.packed_bytes = pack_linears(self.model, self.pack) if self.pack else (0, 0)
-        self.context = int(getattr(model.config, "max_position_embeddings", None) or 2048)
+        self.context = limits.context(int(getattr(model.config, "max_position_embeddings", None) or 2048))
         self.kv_bytes_per_token = kv_bytes_per_token(*kv_shape(model.config), torch_dtype)
         # the prefix cache, full, comes out of the same memory as the running sequences' cache
         free = _free_bytes(device) - limits.prefix_cache_tokens * self.kv_bytes_per_token

@@ -52,7 +52,15 @@ class Wire:
         raise NotImplementedError
 
     def closing(self, ask, head: dict, end: dict) -> list[str]:
-        return []
+        """The finish event, then the usage when the client asked for it (`stream_options.include_usage`)."""
+        usage = [sse(self.chunk(head, [], _usage(end)))] if ask.usage_wanted() else []
+        return [sse(self.chunk(head, [self.finished(end["finish"])])), *usage]
+
+    def chunk(self, head: dict, choices: list, usage: p.Usage | None = None) -> BaseModel:
+        raise NotImplementedError
+
+    def finished(self, reason: str) -> BaseModel:
+        raise NotImplementedError
 
     def error(self, status: int, message: str) -> str:
         """An error event for a stream that could not finish (OpenAI sends `data: {"error": ...}`)."""
@@ -75,12 +83,13 @@ class ChatWire(Wire):
         return [sse(p.ChatCompletionChunk(**head, choices=[opened]))]
 
     def piece(self, head, text):
-        return sse(p.ChatCompletionChunk(**head, choices=[p.ChunkChoice(delta=p.Delta(content=text))]))
+        return sse(self.chunk(head, [p.ChunkChoice(delta=p.Delta(content=text))]))
 
-    def closing(self, ask, head, end):
-        finished = p.ChunkChoice(delta=p.Delta(), finish_reason=end["finish"])
-        usage = [sse(p.ChatCompletionChunk(**head, choices=[], usage=_usage(end)))] if ask.usage_wanted() else []
-        return [sse(p.ChatCompletionChunk(**head, choices=[finished])), *usage]
+    def chunk(self, head, choices, usage=None):
+        return p.ChatCompletionChunk(**head, choices=choices, usage=usage)
+
+    def finished(self, reason):
+        return p.ChunkChoice(delta=p.Delta(), finish_reason=reason)
 
 
 class CompletionWire(Wire):
@@ -95,12 +104,13 @@ class CompletionWire(Wire):
         return dict(id=p.new_id("cmpl"), created=p.now(), model=ask.model)
 
     def piece(self, head, text):
-        return sse(p.Completion(**head, choices=[p.CompletionChoice(text=text)]))
+        return sse(self.chunk(head, [p.CompletionChoice(text=text)]))
 
-    def closing(self, ask, head, end):
-        finished = p.CompletionChoice(text="", finish_reason=end["finish"])
-        usage = [sse(p.Completion(**head, choices=[], usage=_usage(end)))] if ask.usage_wanted() else []
-        return [sse(p.Completion(**head, choices=[finished])), *usage]
+    def chunk(self, head, choices, usage=None):
+        return p.Completion(**head, choices=choices, usage=usage)
+
+    def finished(self, reason):
+        return p.CompletionChoice(text="", finish_reason=reason)
 
 
 class GenerateWire(Wire):
@@ -116,6 +126,9 @@ class GenerateWire(Wire):
 
     def piece(self, head, text):
         return sse({"text": text})
+
+    def closing(self, ask, head, end):
+        return []  # the stream ends with [DONE] alone
 
     def error(self, status, message):
         return sse({"error": message})

@@ -178,7 +178,7 @@ def vllm_backends(specs: list[tuple[str, str]], limits: Limits, dtype: str, devi
                 config = AutoConfig.from_pretrained(source)
             if tok.eos_token_id is None:
                 raise GpuwiseError(f"--model {source}: its tokenizer has no end-of-text token")
-            backend = VLLMBackend(source, tok, config, entries, limits, dtype, device, python, timeout_s)
+            backend = VLLMBackend(source, tok, config, entries, limits, dtype, device).start(python, timeout_s)
             backends.append((backend, [(n, n if a is not None else None) for n, a in entries]))
     except BaseException:  # a later base failed: the servers already started stop with it
         for backend, _ in backends:

@@ -368,10 +368,30 @@ def zero_adapter(like: Path, into: Path) -> Path:
 
 
 def adapter_rank(adapter: Path) -> int:
+    """Its LoRA rank; one line if it is not a safetensors adapter (vLLM would unpickle an adapter_model.bin)."""
+    if not (adapter / "adapter_model.safetensors").is_file():
+        raise GpuwiseError(f"{adapter}: no adapter_model.safetensors (gpuwise serves adapters from safetensors only)")
     try:
         return int(json.loads((adapter / "adapter_config.json").read_text())["r"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise GpuwiseError(f"{adapter}: not a LoRA adapter vLLM can load ({e})") from None
+
+
+def end_of_text(source: str, config) -> list:
+    """The end-of-text ids of the model (its generation config's as well as its config's)."""
+    ids: list = []
+    for eos in (getattr(config, "eos_token_id", None), _generation_eos(source)):
+        ids += eos if isinstance(eos, list) else [eos]
+    return ids
+
+
+def _generation_eos(source: str):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(source).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json
+        return None
 
 
 class VLLMBackend:
@@ -386,19 +406,20 @@ class VLLMBackend:
         limits: Limits,
         dtype: str,
         device: str,
-        python: str,
-        start_timeout_s: float,
     ):
+        """The plan: vLLM's arguments and the route from each model id to what vLLM serves it as. `start`
+        runs it."""
         import torch
 
         from gpuwise.serve.kvcache import kv_bytes_per_token
 
         self.tok, self.precision, self.device = tok, dtype, device
-        self.context = int(getattr(config, "max_position_embeddings", None) or 2048)
+        self.context = limits.context(int(getattr(config, "max_position_embeddings", None) or 2048))
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         self.kv_bytes_per_token = kv_bytes_per_token(*kv_shape(config), torch_dtype)
         self.kv_budget = limits.max_seqs * self.context
-        base = next((n for n, a in entries if a is None), entries[0][0])
+        # the name vLLM serves the base under: a LoRA module may not share it
+        base = next((n for n, a in entries if a is None), "gpuwise-base-model")
         adapters = [(n, a) for n, a in entries if a is not None]
         self.workdir = Path(tempfile.mkdtemp(prefix="gpuwise-vllm-lora-"))
         modules = [(n, str(a)) for n, a in adapters]
@@ -427,14 +448,19 @@ class VLLMBackend:
             lora_modules=tuple(modules),
             eager=device == "cpu",
         )
+        self.route, self.limits = route, limits
+        self.eos = {int(t) for t in [*end_of_text(source, config), tok.eos_token_id] if t is not None}
+
+    def start(self, python: str, start_timeout_s: float) -> VLLMBackend:
         self.server = VLLMServer(python, self.args, start_timeout_s)
-        self.server.start()
-        eos = getattr(getattr(config, "eos_token_id", None), "__iter__", None)
-        ids = list(config.eos_token_id) if eos else [getattr(config, "eos_token_id", None)]
-        eos_ids = {int(t) for t in [*ids, tok.eos_token_id] if t is not None}
-        self.route, self.eos = route, eos_ids
-        self.engine = VLLMEngine(self.server, route, eos_ids, limits)
+        try:
+            self.server.start()
+        except BaseException:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
+        self.engine = VLLMEngine(self.server, self.route, self.eos, self.limits)
         self.owner = True
+        return self
 
     def with_limits(self, limits: Limits) -> VLLMBackend:
         """The same vLLM server behind other limits (a front end of its own; closing it leaves the server)."""

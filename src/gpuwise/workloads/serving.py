@@ -51,6 +51,11 @@ class Limits:
     max_seqs: int = 32  # language models: sequences in the running batch at most
     max_queue: int = 256  # language models: requests waiting for a slot at most; a 429 beyond
     prefix_cache_tokens: int = 4096  # language models: prompt tokens whose keys and values are kept for reuse
+    max_model_len: int = 0  # language models: the longest prompt + answer, in tokens; 0: the model's context
+
+    def context(self, model_context: int) -> int:
+        """The context a served model gets: its own, or --max-model-len where that is shorter."""
+        return min(model_context, self.max_model_len) if self.max_model_len else model_context
 
 
 def _utf8(text: str) -> str:
