@@ -137,7 +137,8 @@ def serve(
         str,
         typer.Option(
             help="Language models: the engine that generates. auto: vLLM on CUDA where it is installed, else "
-            "gpuwise's own (on a CPU it measured ahead of vLLM's CPU build; docs/serving.md); gpuwise; vllm.",
+            "gpuwise's own (on a CPU: level with vLLM's CPU build or ahead at 32 streams, first tokens sooner; "
+            "docs/serving.md); gpuwise; vllm.",
         ),
     ] = "auto",
     vllm_python: Annotated[
