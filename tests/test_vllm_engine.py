@@ -285,3 +285,16 @@ def test_the_vllm_plan_of_lora_runs_routes_each_model_and_vllm_takes_its_argumen
     (planted / "adapter_model.safetensors").rename(planted / "adapter_model.bin")
     with pytest.raises(GpuwiseError, match="no adapter_model.safetensors"):
         VLLMBackend(source, tok, config, [("a", planted)], limits, "bf16", "cpu")
+
+
+def test_serve_on_cuda_spreads_the_weights_over_the_fewest_gpus_that_hold_them():
+    """`--engine vllm` on a CUDA machine: tensor_parallel_size from the weights and the GPUs' memory (no GPU here:
+    the rule alone, on the figures of real machines)."""
+    from gpuwise.plan.engines import tensor_parallel
+
+    gib = 2**30
+    assert tensor_parallel(16e9, 80 * gib, 8) == 1  # Llama-3.1-8B in bf16 on an H100 80GB
+    assert tensor_parallel(141e9, 80 * gib, 8) == 4  # 70B in bf16: 141 GB over 4 x 57.6 GiB of room
+    assert tensor_parallel(141e9, 141 * gib, 8) == 2  # the same on H200s
+    assert tensor_parallel(810e9, 80 * gib, 8) == 8  # 405B: more than one node holds; all 8, vLLM says the rest
+    assert tensor_parallel(141e9, 80 * gib, 3) == 2  # a power of two: the attention heads split evenly

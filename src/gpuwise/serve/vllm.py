@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwise.errors import GpuwiseError
-from gpuwise.plan.engines import VLLMArgs, cpu_kv_gib, lora_rank
+from gpuwise.plan.engines import VLLMArgs, cpu_kv_gib, lora_rank, tensor_parallel
 from gpuwise.serve.engine import GREEDY_BELOW, EngineStats, QueueFull, Sequence, ShuttingDown, kv_budget
 from gpuwise.serve.kvcache import kv_shape
 from gpuwise.workloads.serving import Limits
@@ -435,8 +435,17 @@ class VLLMBackend:
             free = (meminfo("MemAvailable") or 8 << 30) // 2  # as gpuwise's engine: half of what is available
             self.kv_budget = kv_budget(free, self.kv_bytes_per_token, self.context, limits.max_seqs)
             kv_gib = cpu_kv_gib(self.kv_budget, self.kv_bytes_per_token)
+        tp = 1
+        if device == "cuda":
+            from types import SimpleNamespace
+
+            from gpuwise.workloads.pretrained import spec_of
+
+            weights = spec_of(SimpleNamespace(config=config)).params * torch.finfo(torch_dtype).bits / 8
+            tp = tensor_parallel(weights, torch.cuda.get_device_properties(0).total_memory, torch.cuda.device_count())
         self.args = VLLMArgs(
             model=source,
+            tensor_parallel=tp,
             served_name=base,
             dtype=dtype,
             max_model_len=self.context,
