@@ -96,7 +96,8 @@ class Server:
         else:
             self.served = load_model(str(run), limits, dtype=dtype)
         name = run[0][0] if isinstance(run, list) else Path(run).name
-        app = create_app(self.served, Settings(name, limits=limits, **settings), run_id=name,
+        where = name if isinstance(run, list) else str(run)  # /v1/info reads a run's summary from its directory
+        app = create_app(self.served, Settings(where, limits=limits, **settings), run_id=name,
                          precision="fp32")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
