@@ -133,14 +133,7 @@ def plan(
         given = precision is not None
         return _traced(model, workload, module, req, load_catalog(catalog), as_json, precision_given=given)
     assert model is not None  # exactly one of --model/--workload/--module was checked above
-    cat = load_catalog(catalog)
-    result, warning = plan_for(model, req, cat)
-    if req.task == "inference" and result.get("fits"):
-        from gpuwise.plan.engines import serving_plan
-        from gpuwise.plan.model import resolve_model
-
-        kind = cat.get(result["gpu"]).kind
-        result["serving"] = serving_plan(result, model, resolve_model(model).source, req.gen or 0, kind)
+    result, warning = plan_for(model, req, load_catalog(catalog))
     if warning:  # the record could not be read: nor is the plan written to it (no second warning)
         print(f"gpuwise: warning: {warning}", file=sys.stderr)
     name = result["model"]["name"]

@@ -231,4 +231,11 @@ def plan_for(model: str, req: PlanRequest, catalog: Catalog) -> tuple[dict[str, 
     except GpuwiseError as e:
         # The record only refines the efficiency: a broken one must not cost the user the plan.
         warning = f"planning without bench calibration: {e}"
-    return make_plan(resolve_model(model), req, catalog), warning
+    spec = resolve_model(model)
+    result = make_plan(spec, req, catalog)
+    if req.task == "inference" and result.get("fits"):  # how `gpuwise serve` would serve it there
+        from gpuwise.plan.engines import serving_plan
+
+        kind = catalog.get(result["gpu"]).kind
+        result["serving"] = serving_plan(result, model, spec.source, req.gen or 0, kind)
+    return result, warning
