@@ -14,7 +14,7 @@ ENGINES = ("auto", "gpuwise", "vllm")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # vLLM's own default share of GPU memory for weights, activations and its KV cache; gpuwise's engine leaves the
-# same tenth free on CUDA (serve/llm.py _free_bytes)
+# same tenth free on CUDA (serve/llm.py free_bytes)
 GPU_MEMORY_UTILIZATION = 0.9
 
 

@@ -92,7 +92,7 @@ class Backend:
         # on a CPU the weights are packed once for oneDNN (bf16, fp32; MKL for fp32 where oneDNN is missing)
         self.pack, self.pack_note = packing(device, torch_dtype), ""
         if self.pack == MKL:
-            fits, self.pack_note = mkl_fits(self.model, _free_bytes(device))
+            fits, self.pack_note = mkl_fits(self.model, free_bytes(device))
             self.pack = self.pack if fits else None
         self.decoder, self.forward_note = fused_decoder(self.model, self.pack)
         if self.decoder is not None:
@@ -102,7 +102,7 @@ class Backend:
         self.context = limits.context(int(getattr(model.config, "max_position_embeddings", None) or 2048))
         self.kv_bytes_per_token = kv_bytes_per_token(*kv_shape(model.config), torch_dtype)
         # the prefix cache, full, comes out of the same memory as the running sequences' cache
-        free = _free_bytes(device) - limits.prefix_cache_tokens * self.kv_bytes_per_token
+        free = free_bytes(device) - limits.prefix_cache_tokens * self.kv_bytes_per_token
         self.kv_budget = kv_budget(free, self.kv_bytes_per_token, self.context, limits.max_seqs)
         self.engine = Engine(
             self.model,
@@ -455,7 +455,7 @@ def llm_device_dtype(dtype: str) -> tuple[str, str]:
     return device, ("bf16" if computes_bf16(device) else "fp32") if dtype == "auto" else dtype
 
 
-def _free_bytes(device: str) -> int:
+def free_bytes(device: str) -> int:
     """Memory the KV cache may take: on CUDA what is free now less a tenth; on the CPU half of what the
     system has available (the rest is for activations, the tokenizer and the OS)."""
     if device == "cuda":

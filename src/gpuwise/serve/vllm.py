@@ -430,10 +430,9 @@ class VLLMBackend:
             route[None] = ZERO_ADAPTER
         kv_gib = None
         if device == "cpu":
-            from gpuwise.hardware.cpu import meminfo
+            from gpuwise.serve.llm import free_bytes  # the memory gpuwise's own engine would take
 
-            free = (meminfo("MemAvailable") or 8 << 30) // 2  # as gpuwise's engine: half of what is available
-            self.kv_budget = kv_budget(free, self.kv_bytes_per_token, self.context, limits.max_seqs)
+            self.kv_budget = kv_budget(free_bytes(device), self.kv_bytes_per_token, self.context, limits.max_seqs)
             kv_gib = cpu_kv_gib(self.kv_budget, self.kv_bytes_per_token)
         tp = 1
         if device == "cuda":
