@@ -1,5 +1,7 @@
 """Decode attention on a CPU: one new token per sequence against its cached keys and values, by a small AVX-512
-kernel (kernels/decode_attention.cpp) built here on first use.
+kernel (kernels/decode_attention.cpp) built here on first use; and in the same library, the product of a decode
+step's few rows by a weight (`gemv`): oneDNN's packed bf16 product of one row read the weight at a third of the
+memory's speed, the output layer's worst (docs/serving.md, "One stream").
 
 Why by hand: PyTorch's CPU attention (`scaled_dot_product_attention`, its flash kernel) is built for prompts,
 many queries against many keys; at one query a sequence it is a large share of a decode step, and no library
@@ -39,6 +41,7 @@ log = logging.getLogger("gpuwise.serve")
 SOURCE = Path(__file__).with_name("kernels") / "decode_attention.cpp"
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+GEMV_ROWS = 8  # kernels/decode_attention.cpp kMaxRows: a product of more rows goes to oneDNN or MKL
 
 
 class DecodeAttention:
@@ -49,6 +52,9 @@ class DecodeAttention:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self.fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, *[i64] * 11, ctypes.c_float]
         self.fn.restype = ctypes.c_int
+        self.gemv_fn = lib.gpuwise_gemv
+        self.gemv_fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, *[i64] * 4]
+        self.gemv_fn.restype = ctypes.c_int
 
     def supports(self, dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in DTYPES and head_dim % 16 == 0 and head_dim <= 256
@@ -96,6 +102,31 @@ class DecodeAttention:
         )
         if rc:
             raise ValueError(f"decode attention: the kernel does not take H={H}, K={K}, D={D}")
+        return out
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, weight, bias) for x [..., I] of at most GEMV_ROWS rows (a decode step's), weight [O, I]
+        with contiguous rows, all of one dtype (fp32 or bf16): the weight read once, at the memory's speed."""
+        width = x.shape[-1]
+        outs = weight.shape[0]
+        rows = x.numel() // width if width else 0
+        if (
+            x.dtype != weight.dtype
+            or x.dtype not in DTYPES
+            or weight.dim() != 2
+            or weight.shape[1] != width
+            or weight.stride(1) != 1
+            or not 1 <= rows <= GEMV_ROWS
+            or (bias is not None and (bias.dtype != x.dtype or bias.shape != (outs,) or not bias.is_contiguous()))
+        ):
+            raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+        x = x.contiguous()
+        out = torch.empty((*x.shape[:-1], outs), dtype=x.dtype)
+        b = 0 if bias is None else bias.data_ptr()
+        ptrs = (x.data_ptr(), weight.data_ptr(), b, out.data_ptr())
+        rc = self.gemv_fn(DTYPES[x.dtype], *ptrs, rows, outs, width, weight.stride(0))
+        if rc:
+            raise ValueError(f"gemv: the kernel does not take {rows} x {width} by {outs} x {width}")
         return out
 
 
@@ -280,6 +311,16 @@ def self_check(kernel: DecodeAttention) -> str:
         off = float((got.float() - want).abs().max() / want.abs().max())
         if not off <= tolerance:  # a nan is off too
             return f"{dtype}: {off:.1e} off SDPA (tolerance {tolerance:.0e})"
+        # the product, at a width that is no multiple of 16 (its tail) and a bias
+        x, w, b = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((3, 37), (21, 37), (21,)))
+        try:
+            got = kernel.gemv(x, w, b)
+        except (ValueError, RuntimeError) as e:
+            return str(e)
+        want = F.linear(x.float(), w.float(), b.float())
+        off = float((got.float() - want).abs().max() / want.abs().max())
+        if not off <= tolerance:
+            return f"{dtype}: the product is {off:.1e} off F.linear (tolerance {tolerance:.0e})"
     return ""
 
 

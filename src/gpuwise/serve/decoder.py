@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpuwise.serve import attention
+from gpuwise.serve.attention import GEMV_ROWS
 from gpuwise.serve.packed import ONEDNN, Packed, PackedLinear
 
 log = logging.getLogger("gpuwise.serve")
@@ -108,16 +109,22 @@ def _lora_unsupported(model) -> str | None:
 
 class _Linear:
     """One product, packed where `pack` names a packing (serve/packed.py), and its LoRA adapters' low-rank
-    updates: per adapter, the products A and B (the scaling folded into B)."""
+    updates: per adapter, the products A and B (the scaling folded into B). With `kernel` (serve/attention.py),
+    a product of at most GEMV_ROWS rows (a decode step's) is the kernel's, which reads the plain weight once at
+    the memory's speed: the plain weight is then kept beside a packed copy, for the wider products."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: str | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: str | None, kernel=None):
         self.bias = bias
         self.packed = Packed(weight, bias, pack) if pack else None
-        self.weight = None if self.packed is not None and self.packed.weight is None else weight
+        self.kernel = kernel if kernel is not None and weight.stride(-1) == 1 else None
+        dropped = self.packed is not None and self.packed.weight is None
+        self.weight = None if dropped and self.kernel is None else weight
         self.loras: dict[str, tuple[_Linear, _Linear]] = {}
 
     def __call__(self, x: torch.Tensor, groups: Groups = ()) -> torch.Tensor:
-        if self.packed is not None:
+        if self.kernel is not None and x.numel() <= GEMV_ROWS * x.shape[-1]:
+            out = self._gemv(x)
+        elif self.packed is not None:
             out = self.packed(x)
         else:
             assert self.weight is not None
@@ -132,6 +139,15 @@ class _Linear:
             else:
                 out.index_add_(0, rows, b(a(x[rows])))
         return out
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.weight is not None
+        try:
+            return self.kernel.gemv(x, self.weight, self.bias)
+        except (ValueError, RuntimeError) as e:  # refused: this product goes the other way from now on
+            log.warning("the decode product kernel failed (%s): this product uses the library's", e)
+            self.kernel = None
+            return self.packed(x) if self.packed is not None else F.linear(x, self.weight, self.bias)
 
 
 class Moved(nn.Module):
@@ -153,14 +169,14 @@ def _weight(linear: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     return linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
 
 
-def _fuse(parent: Any, names: list[str], pack: str | None) -> _Linear:
+def _fuse(parent: Any, names: list[str], pack: str | None, kernel=None) -> _Linear:
     """One product for several linears that read the same input; the modules keep views of the joint weight,
     and their LoRA adapters update their own columns of it."""
     parts = [_weight(getattr(parent, n)) for n in names]
     weight = torch.cat([w for w, _ in parts])
     has_bias = any(b is not None for _, b in parts)
     bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in parts]) if has_bias else None
-    fused = _Linear(weight, bias, pack)
+    fused = _Linear(weight, bias, pack, kernel)
     low_rank: dict[str, list[tuple[slice, torch.Tensor, torch.Tensor]]] = {}
     start = 0
     for n, (w, _) in zip(names, parts, strict=True):
@@ -187,12 +203,12 @@ def _fuse(parent: Any, names: list[str], pack: str | None) -> _Linear:
 
 
 class _Layer:
-    def __init__(self, layer: Any, pack: str | None):
+    def __init__(self, layer: Any, pack: str | None, kernel=None):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = _fuse(attn, ["q_proj", "k_proj", "v_proj"], pack)
-        self.o = _fuse(attn, ["o_proj"], pack)
-        self.gate_up = _fuse(mlp, ["gate_proj", "up_proj"], pack)
-        self.down = _fuse(mlp, ["down_proj"], pack)
+        self.qkv = _fuse(attn, ["q_proj", "k_proj", "v_proj"], pack, kernel)
+        self.o = _fuse(attn, ["o_proj"], pack, kernel)
+        self.gate_up = _fuse(mlp, ["gate_proj", "up_proj"], pack, kernel)
+        self.down = _fuse(mlp, ["down_proj"], pack, kernel)
         self.norm1 = (layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon)
         self.norm2 = (layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon)
 
@@ -234,17 +250,19 @@ class FusedDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.embed = inner.embed_tokens.weight.detach()
         self.rotary = inner.rotary_emb
-        self.layers = [_Layer(layer, pack) for layer in inner.layers]
-        self.norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
-        self.tied = model.lm_head.weight is inner.embed_tokens.weight
-        self.head = _Linear(*_weight(model.lm_head), pack)
-        # one query per row (a decode step): gpuwise's CPU kernel where it builds (serve/attention.py), else SDPA
-        self.attention, self.why = None, "SDPA"
+        # one query per row (a decode step): gpuwise's CPU kernel where it builds (serve/attention.py), else SDPA;
+        # the same library's product for a decode step's few rows
+        self.attention, self.why, products = None, "SDPA", None
         if self.embed.device.type == "cpu":
             kernel, why = attention.load()
             if kernel is not None and not kernel.supports(self.embed.dtype, self.head_dim, self.embed.device):
                 kernel, why = None, f"{self.embed.dtype} or head dim {self.head_dim} is not one the kernel takes"
             self.attention, self.why = kernel, why if kernel is not None else f"SDPA ({why})"
+            products = kernel
+        self.layers = [_Layer(layer, pack, products) for layer in inner.layers]
+        self.norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
+        self.tied = model.lm_head.weight is inner.embed_tokens.weight
+        self.head = _Linear(*_weight(model.lm_head), pack, products)
 
     def _drop_kernel(self, error: Exception) -> None:
         """The decode kernel failed a call (its own shape check, or anything it raised): this decoder serves with
@@ -254,10 +272,16 @@ class FusedDecoder:
 
     def packed(self) -> tuple[int, int]:
         """(products packed, bytes packing added: MKL's packed copies, or for oneDNN the tied output layer's
-        weight, held twice)."""
+        weight and the plain weights kept for the decode product kernel, held twice)."""
         linears = [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.head]
         n = sum(x.packed is not None for x in linears)
         added = sum(x.packed.added for x in linears if x.packed is not None)
+        # oneDNN's copy beside a plain weight kept for the decode product kernel: held twice
+        added += sum(
+            x.weight.numel() * x.weight.element_size()
+            for x in linears
+            if x.packed is not None and x.packed.kind == ONEDNN and x.weight is not None and x is not self.head
+        )
         if self.head.packed is not None and self.head.packed.kind == ONEDNN and self.tied:
             added += self.embed.numel() * self.embed.element_size()
         return n, added

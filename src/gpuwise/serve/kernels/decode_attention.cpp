@@ -1,6 +1,7 @@
-// Attention of one new token per sequence over its cached keys and values (a decode step), for CPUs with
-// AVX-512. Built and loaded by serve/attention.py, which says why it exists; docs/serving.md has its speed.
+// The decode step's kernels for CPUs with AVX-512, built and loaded by serve/attention.py, which says why they
+// exist; docs/serving.md has their speed.
 //
+// 1. Attention of one new token per sequence over its cached keys and values.
 // q:   [n, H, D] (strided: row q_sn, head q_sh; D contiguous), in T (float or bfloat16)
 // k, v: one layer of the slot cache, row i's position l of key/value head h at i*c_sn + l*c_sl + h*c_sh
 // lens: [n] how many positions row i attends to (0 .. lens[i]-1)
@@ -11,6 +12,7 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -22,6 +24,16 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   // a bfloat16 is the high half of a float32
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// the first `count` (< 16) values, zeros after them
+inline __m512 load_tail(const float* p, int64_t count) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1), p);
+}
+
+inline __m512 load_tail(const c10::BFloat16* p, int64_t count) {
+  const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1), p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
@@ -114,6 +126,51 @@ void attend(const T* q, const T* k, const T* v, const int64_t* lens, T* out, int
   });
 }
 
+// 2. A product of a few rows by a weight: out[m, o] = sum_i x[m, i] w[o, i] (+ bias[o]), m < M <= kMaxRows.
+// At a decode step's few rows a product is bound by reading the weight once (oneDNN and MKL reorder or pad
+// for blocks of rows and reach a third of the memory's speed there: docs/serving.md). Each thread takes a
+// share of the output columns, four weight rows at a time, each read once for every input row; the sums run
+// in fp32 and the output is rounded to T once. w: [O, I] with row stride w_so, x: [M, I] and out: [M, O]
+// contiguous.
+constexpr int64_t kMaxRows = 8;
+
+template <typename T>
+void gemv(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t O, int64_t I, int64_t w_so) {
+  std::vector<float> xf(M * I);
+  for (int64_t j = 0; j < M * I; ++j) xf[j] = static_cast<float>(x[j]);
+  const int64_t full = I / 16 * 16, tail = I - full;
+  constexpr int64_t R = 4;
+  at::parallel_for(0, (O + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t o0 = block * R, rows = std::min(R, O - o0);
+      __m512 acc[R][kMaxRows];
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < full; i += 16) {
+        __m512 wv[R];
+        for (int64_t r = 0; r < R; ++r) wv[r] = r < rows ? load16(w + (o0 + r) * w_so + i) : _mm512_setzero_ps();
+        for (int64_t m = 0; m < M; ++m) {
+          const __m512 xv = _mm512_loadu_ps(xf.data() + m * I + i);
+          for (int64_t r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+        }
+      }
+      if (tail) {
+        __m512 wv[R];
+        for (int64_t r = 0; r < R; ++r)
+          wv[r] = r < rows ? load_tail(w + (o0 + r) * w_so + full, tail) : _mm512_setzero_ps();
+        for (int64_t m = 0; m < M; ++m) {
+          const __m512 xv = load_tail(xf.data() + m * I + full, tail);
+          for (int64_t r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float b = bias ? static_cast<float>(bias[o0 + r]) : 0.f;
+        for (int64_t m = 0; m < M; ++m) out[m * O + o0 + r] = static_cast<T>(_mm512_reduce_add_ps(acc[r][m]) + b);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -130,6 +187,22 @@ int gpuwise_decode_attention(int dtype, const void* q, const void* k, const void
     attend(static_cast<const c10::BFloat16*>(q), static_cast<const c10::BFloat16*>(k),
            static_cast<const c10::BFloat16*>(v), lens, static_cast<c10::BFloat16*>(out), n, H, K, D, q_sn, q_sh,
            c_sn, c_sl, c_sh, o_sn, o_sh, scale);
+  } else {
+    return 1;
+  }
+  return 0;
+}
+
+// dtype: 0 float32, 1 bfloat16; bias may be null. Returns 0, or 1 when the shapes are not ones it takes.
+int gpuwise_gemv(int dtype, const void* x, const void* w, const void* bias, void* out, int64_t M, int64_t O,
+                 int64_t I, int64_t w_so) {
+  if (M < 1 || M > kMaxRows || O < 1 || I < 1 || w_so < I) return 1;
+  if (dtype == 0) {
+    gemv(static_cast<const float*>(x), static_cast<const float*>(w), static_cast<const float*>(bias),
+         static_cast<float*>(out), M, O, I, w_so);
+  } else if (dtype == 1) {
+    gemv(static_cast<const c10::BFloat16*>(x), static_cast<const c10::BFloat16*>(w),
+         static_cast<const c10::BFloat16*>(bias), static_cast<c10::BFloat16*>(out), M, O, I, w_so);
   } else {
     return 1;
   }
