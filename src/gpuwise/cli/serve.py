@@ -130,15 +130,17 @@ def serve(
     dtype: Annotated[
         str,
         typer.Option(
-            help="Language models: auto (bf16 where the GPU or CPU computes it, else fp32), fp32, bf16, fp16."
+            help="Language models: auto (bf16 where the GPU or CPU computes it, else fp32; on llama.cpp a GGUF as "
+            "it ships), fp32, bf16, fp16; q8_0 on llama.cpp (converted once by llama.cpp's converter, cached)."
         ),
     ] = "auto",
     engine: Annotated[
         str,
         typer.Option(
-            help="Language models: the engine that generates. auto: vLLM on CUDA where it is installed, else "
-            "gpuwise's own (on a CPU: level with vLLM's CPU build or ahead at 32 streams, first tokens sooner; "
-            "docs/serving.md); gpuwise; vllm.",
+            help="Language models: the engine that generates: auto, gpuwise, vllm, llama.cpp. auto: vLLM on CUDA "
+            "where it is installed; on a CPU llama.cpp for a quantized GGUF or --max-seqs 1 where it is "
+            "installed, else gpuwise's own (ahead at 8 and 32 streams). The rule and its measurements: "
+            "docs/serving.md.",
         ),
     ] = "auto",
     vllm_python: Annotated[
@@ -148,8 +150,22 @@ def serve(
             "or set GPUWISE_VLLM_PYTHON) [this environment's]. vLLM runs as a child process gpuwise supervises."
         ),
     ] = None,
+    llama_server: Annotated[
+        str | None,
+        typer.Option(
+            help="--engine llama.cpp: the llama-server to run (or set GPUWISE_LLAMA_SERVER) [the one `make "
+            "llama.cpp` built, else PATH's]. It runs as a child process gpuwise supervises."
+        ),
+    ] = None,
     vllm_timeout: Annotated[
-        float, typer.Option(min=1, max=86400, help="--engine vllm: seconds vLLM may take to start.")
+        float,
+        typer.Option(
+            "--engine-timeout",
+            "--vllm-timeout",
+            min=1,
+            max=86400,
+            help="--engine vllm or llama.cpp: seconds the engine may take to start.",
+        ),
     ] = 900.0,
     confirmed: WorkloadOpt = None,
     cors_origin: Annotated[
@@ -173,10 +189,19 @@ def serve(
     import uvicorn
 
     from gpuwise.serve.app import Settings, create_app, server_config
+    from gpuwise.serve.engine_client import Chosen, choose_engine
     from gpuwise.serve.hosts import allowed_hosts
     from gpuwise.serve.llm import LLM
-    from gpuwise.serve.models import Limits, is_model, load_model, load_models, load_served, load_vllm, parse_models
-    from gpuwise.serve.vllm import choose_engine
+    from gpuwise.serve.models import (
+        Limits,
+        is_model,
+        load_llamacpp,
+        load_model,
+        load_models,
+        load_served,
+        load_vllm,
+        parse_models,
+    )
 
     floats = (
         ("--timeout", timeout),
@@ -189,8 +214,8 @@ def serve(
     for flag, value in floats:
         if math.isnan(value):  # click's range check lets nan through (every comparison with it is false)
             raise GpuwiseError(f"{flag} must be a number, not nan")
-    if dtype not in ("auto", "fp32", "bf16", "fp16"):
-        raise GpuwiseError(f"--dtype {dtype}: choose auto, fp32, bf16 or fp16")
+    if dtype not in ("auto", "fp32", "bf16", "fp16", "q8_0"):
+        raise GpuwiseError(f"--dtype {dtype}: choose auto, fp32, bf16, fp16 or q8_0 (llama.cpp)")
     if runtime not in ("torch", "onnx"):
         raise GpuwiseError(f"--runtime {runtime}: choose torch or onnx")
     check_key(host, api_key, "the model")
@@ -214,13 +239,21 @@ def serve(
     language = bool(model) or is_model(str(run_dir)) or _is_lm_run(Path(str(run_dir)))
     if language and runtime != "torch":
         raise GpuwiseError(onnx_refused)
-    if not language and engine == "vllm":
-        raise GpuwiseError(f"--engine vllm serves language models; {run_dir} is not one")
-    chosen, python, why = choose_engine(engine, vllm_python) if language else ("gpuwise", None, "")
-    if chosen == "vllm":
-        assert python is not None
-        refs = parse_models(([str(run_dir)] if run_dir is not None else []) + list(model or []))
-        served = load_vllm(refs, limits, dtype, python, vllm_timeout, why)
+    if not language and engine in ("vllm", "llama.cpp"):
+        raise GpuwiseError(f"--engine {engine} serves language models; {run_dir} is not one")
+    refs = parse_models(([str(run_dir)] if run_dir is not None else []) + list(model or [])) if language else []
+    chosen = (
+        choose_engine(engine, refs, max_seqs, dtype, vllm_python, llama_server) if language else Chosen("gpuwise", "")
+    )
+    if dtype == "q8_0" and chosen.engine != "llama.cpp":
+        raise GpuwiseError(f"--dtype q8_0 is llama.cpp's (--engine llama.cpp); {chosen.engine} serves fp32, bf16, fp16")
+    why = chosen.why
+    if chosen.engine == "vllm":
+        assert chosen.vllm_python is not None
+        served = load_vllm(refs, limits, dtype, chosen.vllm_python, vllm_timeout, why)
+    elif chosen.engine == "llama.cpp":
+        assert chosen.llama_server is not None
+        served = load_llamacpp(refs, limits, dtype, chosen.llama_server, vllm_timeout, why)
     elif model:
         specs = parse_models(([str(run_dir)] if run_dir is not None else []) + list(model))
         served = load_models(specs, limits, dtype)
@@ -228,7 +261,7 @@ def serve(
         served, _ = load_served(run_dir, runtime, limits, dtype)
     else:
         served = load_model(str(run_dir), limits, dtype=dtype)
-    if isinstance(served, LLM) and chosen == "gpuwise":
+    if isinstance(served, LLM) and chosen.engine == "gpuwise":
         served.engine_line = f"engine: gpuwise ({why})"
     if run_dir is None:  # --model alone: /v1/info names the first model
         assert isinstance(served, LLM)

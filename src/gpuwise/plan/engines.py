@@ -1,6 +1,6 @@
-"""Which engine serves a language model, and what vLLM is told when it does: its engine arguments, set from
-gpuwise's plan. `gpuwise serve --engine vllm` starts vLLM with them; `gpuwise plan --task inference` prints
-the same command line for the accelerator it recommends."""
+"""Which engine serves a language model, and what vLLM or llama.cpp is told when it does: its engine arguments,
+set from gpuwise's plan. `gpuwise serve --engine vllm|llama.cpp` starts it with them; `gpuwise plan --task
+inference` prints the same command line for the accelerator it recommends."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import re
 import shlex
 from dataclasses import dataclass
 
-ENGINES = ("auto", "gpuwise", "vllm")
+ENGINES = ("auto", "gpuwise", "vllm", "llama.cpp")
+# --engine auto on a CPU: llama.cpp for this many streams (--max-seqs) or fewer, where it is installed; gpuwise's
+# engine above (benchmarks/llm_serve_load.py, docs/serving.md "Three engines")
+LLAMA_CPP_MAX_STREAMS = 1
 # vLLM's LoRA kernels are built for these ranks (vllm/config/lora.py: max_lora_rank's choices)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -18,18 +21,37 @@ VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 GPU_MEMORY_UTILIZATION = 0.9
 
 
-def auto_engine(device: str, vllm_found: bool) -> tuple[str, str]:
+def auto_engine(
+    device: str,
+    vllm_found: bool,
+    llama_cpp_found: bool = False,
+    quantized_gguf: bool = False,
+    streams: int = 32,
+    adapters: bool = False,
+) -> tuple[str, str]:
     """`--engine auto`: (engine, why). The rule, from benchmarks/llm_serve_load.py (docs/serving.md):
     - CUDA: vLLM where it is installed: CUDA graphs, paged-attention kernels, tensor and pipeline parallelism;
       gpuwise's engine decodes eagerly there.
-    - CPU: gpuwise's engine: level with vLLM-CPU or ahead on tokens/s at 32 streams, its first tokens several
-      times sooner at 8 and 32; vLLM-CPU led at 1 stream, and at 8 in some runs. gpuwise's engine also starts in
-      seconds rather than a minute and holds about half the memory."""
+    - CPU, a quantized GGUF (Q4, Q8: the named base as it ships) and llama.cpp installed: llama.cpp serves the
+      file as it is; the other engines are given it dequantized to fp32, 4 to 8 times the bytes read a token.
+    - CPU, LoRA adapters: gpuwise's engine, which batches requests for different adapters together
+      (llama.cpp runs a batch per adapter set; vLLM-CPU gave a base request an adapter's answer).
+    - CPU, at most LLAMA_CPP_MAX_STREAMS streams expected (--max-seqs) and llama.cpp installed: llama.cpp,
+      ahead at one stream.
+    - CPU otherwise: gpuwise's engine: ahead of llama.cpp and vLLM-CPU on tokens/s at 8 and 32 streams, its
+      first tokens sooner; it also starts in seconds and holds about half vLLM's memory."""
     if device == "cuda":
         if vllm_found:
             return "vllm", "auto: a CUDA device and vLLM installed (CUDA graphs, paged attention)"
         return "gpuwise", "auto: a CUDA device but no vLLM found (--vllm-python, GPUWISE_VLLM_PYTHON)"
-    return "gpuwise", "auto: on a CPU gpuwise's engine: level with vLLM-CPU or ahead at 32 streams, first tokens sooner"
+    if adapters:
+        return "gpuwise", "auto: on a CPU with LoRA adapters, gpuwise's engine batches them together"
+    if llama_cpp_found and quantized_gguf:
+        return "llama.cpp", "auto: a quantized GGUF on a CPU, served by llama.cpp as it ships (not dequantized)"
+    if llama_cpp_found and streams <= LLAMA_CPP_MAX_STREAMS:
+        return "llama.cpp", f"auto: on a CPU at --max-seqs {streams}, llama.cpp (ahead at one stream)"
+    why = "auto: on a CPU gpuwise's engine: ahead at 8 and 32 streams, first tokens sooner"
+    return "gpuwise", why + ("" if llama_cpp_found else "; llama.cpp not installed (make llama.cpp)")
 
 
 def tensor_parallel(weight_bytes: float, gpu_bytes: float, gpus: int, kv_share: float = 0.2) -> int:
@@ -140,6 +162,12 @@ class VLLMArgs:
         return "vLLM: " + ", ".join(parts)
 
 
+def _named_bases() -> set[str]:
+    from gpuwise.plan.bases import NAMED_BASES
+
+    return set(NAMED_BASES)
+
+
 def cpu_kv_gib(tokens: int, bytes_per_token: float) -> int:
     """`VLLM_CPU_KVCACHE_SPACE` (whole GiB) for a KV budget of `tokens`."""
     return max(1, math.ceil(tokens * bytes_per_token / 2**30))
@@ -153,9 +181,13 @@ def serving_plan(result: dict, model_ref: str, source: str, gen: int, kind: str)
     """`gpuwise plan --task inference`: the engine `gpuwise serve --engine auto` would pick on the accelerator
     the plan recommends, and vLLM's command line set from the plan (the same knobs `gpuwise serve` sets)."""
     device = "cpu" if kind == "cpu" else "cuda"
-    engine, why = auto_engine(device, vllm_found=True)
+    streams = max(result["batch"], result.get("max_batch") or 1)
+    gguf = model_ref.lower().endswith(".gguf") or model_ref in _named_bases()  # the named bases ship as Q4/Q8
+    engine, why = auto_engine(device, vllm_found=True, llama_cpp_found=True, quantized_gguf=gguf, streams=streams)
     if device == "cuda":
         why = "auto: a CUDA device, once vLLM is installed there (CUDA graphs, paged attention)"
+    elif engine == "llama.cpp":
+        why += " (once installed: make llama.cpp)"
     out: dict = {"engine": engine, "why": why, "vllm": None, "command": None}
     precision = result["precision"]
     if precision not in (*VLLM_DTYPES, "fp8"):
@@ -181,3 +213,54 @@ def serving_plan(result: dict, model_ref: str, source: str, gen: int, kind: str)
     out["vllm"], out["command"] = args.args(), args.command()
     out["summary"] = args.summary()
     return out
+
+
+# llama.cpp's KV cache types by gpuwise's precision names
+LLAMA_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+@dataclass(frozen=True)
+class LlamaCppArgs:
+    """llama.cpp's llama-server, as gpuwise's plan sets it: `parallel` slots (--max-seqs) sharing one KV cache of
+    `ctx_size` tokens (gpuwise's KV budget; --kv-unified, so that one long sequence may take what short ones
+    leave), `threads` as gpuwise's engine uses, LoRA adapters loaded at scale 0 and applied per request."""
+
+    model: str
+    served_name: str
+    ctx_size: int
+    parallel: int
+    threads: int
+    cache_type: str = "f16"
+    lora: tuple[str, ...] = ()
+
+    def args(self) -> list[str]:
+        out = [
+            "--model", self.model,
+            "--alias", self.served_name,
+            "--ctx-size", str(self.ctx_size),
+            "--parallel", str(self.parallel),
+            "--kv-unified",
+            "--threads", str(self.threads),
+            "--threads-batch", str(self.threads),
+            "--cache-type-k", self.cache_type,
+            "--cache-type-v", self.cache_type,
+            "--no-webui",
+            "--offline",
+        ]  # fmt: skip
+        for path in self.lora:
+            out += ["--lora", path]
+        if self.lora:
+            out += ["--lora-init-without-apply"]
+        return out
+
+    def command(self, binary: str = "llama-server") -> str:
+        return " ".join([shlex.quote(str(binary)), shlex.join(self.args())])
+
+    def summary(self) -> str:
+        parts = [
+            f"{self.parallel} slots sharing a KV cache of {self.ctx_size:,} tokens ({self.cache_type})",
+            f"{self.threads} threads",
+        ]
+        if self.lora:
+            parts.append(f"{len(self.lora)} LoRA adapter(s), applied per request")
+        return "llama.cpp: " + ", ".join(parts)

@@ -141,7 +141,7 @@ class _Linear:
         return out
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.weight is not None
+        assert self.weight is not None and self.kernel is not None
         try:
             return self.kernel.gemv(x, self.weight, self.bias)
         except (ValueError, RuntimeError) as e:  # refused: this product goes the other way from now on

@@ -6,6 +6,7 @@ routes); `--runtime onnx` swaps a torch forward for onnxruntime's where the work
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +168,46 @@ def vllm_backends(specs: list[tuple[str, str]], limits: Limits, dtype: str, devi
     """[(VLLMBackend, [(model id, adapter)])]: one started vLLM server per base."""
     from gpuwise.serve.vllm import VLLMBackend
 
+    def make(ref, source, tok, config, entries):
+        return VLLMBackend(source, tok, config, entries, limits, dtype, device).start(python, timeout_s)
+
+    return engine_backends(specs, make)
+
+
+def load_llamacpp(specs: list[tuple[str, str]], limits: Limits, dtype: str, binary: Path, timeout_s: float, why: str):
+    """The same models served by llama.cpp (serve/llamacpp.py): one llama-server per base, a GGUF as it ships
+    (or converted once), its LoRA runs as GGUF adapters applied per request."""
+    from gpuwise.serve.llm import LLM
+
+    backends = llamacpp_backends(specs, limits, dtype, binary, timeout_s)
+    precision = backends[0][0].precision
+    return LLM.over(backends, limits, precision, "cpu", f"engine: llama.cpp ({why})")
+
+
+def llamacpp_backends(specs: list[tuple[str, str]], limits: Limits, dtype: str, binary: Path, timeout_s: float):
+    """[(LlamaCppBackend, [(model id, adapter)])]: one started llama-server per base."""
+    from gpuwise.serve.llamacpp import DTYPES, LlamaCppBackend
+
+    if dtype not in DTYPES:
+        raise GpuwiseError(f"--dtype {dtype}: llama.cpp serves {', '.join(DTYPES)}")
+
+    def make(ref, source, tok, config, entries):
+        return LlamaCppBackend(ref, source, tok, config, entries, limits, dtype, binary).start(timeout_s)
+
+    return engine_backends(specs, make)
+
+
+def engine_backends(specs: list[tuple[str, str]], make) -> list:
+    """[(backend, [(model id, adapter)])] for an engine gpuwise starts (vLLM, llama.cpp): one per base, made and
+    started by `make(ref, source, tokenizer, config, [(name, adapter)])`, where `ref` is the model as given (a
+    named base or a .gguf file, which llama.cpp serves as it ships) or the base's directory. gpuwise loads only
+    the tokenizer and the config: the weights are the engine's to hold. A base that fails stops those started."""
     groups = model_groups(specs)
+    given: dict[str, str] = {}
+    for _, ref in specs:
+        if not is_run(Path(ref).expanduser()):
+            with contextlib.suppress(GpuwiseError):
+                given.setdefault(_source_of(ref), ref)
     from transformers import AutoConfig, AutoTokenizer
 
     backends: list = []
@@ -178,13 +218,21 @@ def vllm_backends(specs: list[tuple[str, str]], limits: Limits, dtype: str, devi
                 config = AutoConfig.from_pretrained(source)
             if tok.eos_token_id is None:
                 raise GpuwiseError(f"--model {source}: its tokenizer has no end-of-text token")
-            backend = VLLMBackend(source, tok, config, entries, limits, dtype, device).start(python, timeout_s)
+            backend = make(given.get(source, source), source, tok, config, entries)
             backends.append((backend, [(n, n if a is not None else None) for n, a in entries]))
     except BaseException:  # a later base failed: the servers already started stop with it
         for backend, _ in backends:
             backend.close()
         raise
     return backends
+
+
+def _source_of(ref: str) -> str:
+    """The directory `model_groups` keys a model given as `ref` under."""
+    from gpuwise.workloads.pretrained import resolve_base
+
+    found = resolve_base(ref, flag="--model")
+    return str(Path(found).resolve()) if Path(found).exists() else found
 
 
 def parse_models(values: list[str]) -> list[tuple[str, str]]:

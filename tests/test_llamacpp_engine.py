@@ -1,0 +1,131 @@
+"""`gpuwise serve --engine llama.cpp`: llama.cpp's llama-server (built by tests/engines/llamacpp_build.sh, as
+`make llama.cpp` builds it) behind gpuwise's OpenAI API. The OpenAI surface over every engine is
+tests/test_llm_api.py's, parametrized; here what only llama.cpp needs: the CLI serving the named base's GGUF as
+it ships and stopping llama-server with it, LoRA runs as GGUF adapters applied per request, a llama-server that
+dies, a missing one, and the `auto` rule."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+from serving import Engine, Server, llama_server
+from test_vllm_engine import BASE, PROMPTS, alive, free_port, lora_runs, oa_sync, one_line_error, wait_health
+
+from gpuwise.plan.engines import LLAMA_CPP_MAX_STREAMS, auto_engine
+
+__all__ = ["lora_runs"]  # the fixture, shared with test_vllm_engine.py
+
+
+@pytest.mark.slow
+def test_the_cli_serves_the_named_base_as_it_ships_and_stops_llama_server(tmp_path):
+    """From the CLI: the Q4_1 GGUF served as it ships, the plan line naming the engine, why, and llama.cpp's
+    knobs from gpuwise's plan; chats answer; SIGTERM stops gpuwise and the llama-server under it."""
+    port = free_port()
+    out = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "gpuwise", "serve", BASE, "--engine", "llama.cpp", "--llama-server",
+           str(llama_server()), "--max-seqs", "4", "--max-tokens", "32", "--max-model-len", "1024", "--port", str(port)]
+    with open(out, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"COLUMNS": "400"})
+    try:
+        wait_health(f"http://127.0.0.1:{port}", proc, 120)
+        printed = out.read_text()
+        assert "engine: llama.cpp (--engine llama.cpp; llama-server (version:" in printed, printed
+        for knob in ("plan (q4_1): llama.cpp: 4 slots sharing a KV cache of 4,096 tokens (f16)",
+                     "SmolLM2-135M-Instruct.Q4_1.gguf as it ships", "the same server by hand: ", "--kv-unified"):
+            assert knob in printed, (knob, printed)
+        pid = int(re.search(r"pid (\d+), loopback port", printed).group(1))
+        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        for q in PROMPTS[:2]:
+            r = oa.chat.completions.create(model=BASE, messages=[{"role": "user", "content": q}], max_tokens=32,
+                                           temperature=0)
+            assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
+            assert len(r.choices[0].message.content.split()) >= 3  # words, from the real model
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == -signal.SIGTERM
+        deadline = time.time() + 5
+        while alive(pid):
+            assert time.time() < deadline, "llama-server outlived gpuwise serve"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_lora_runs_are_gguf_adapters_applied_per_request_and_a_dead_llama_server_is_one_line(lora_runs):
+    """Two product-lm LoRA runs and their base in one llama-server: each model its own answers, the same
+    alone and all at once. Then llama-server is killed: /health and the next request say so in one line."""
+    import asyncio
+
+    ask = {"max_tokens": 12, "temperature": 0}
+    keys = [(n, q) for n, _ in lora_runs for q in ("This coffee", "My dog likes")]
+    engine = Engine("llama.cpp", lora_runs)
+    try:
+        assert "2 LoRA adapter(s), applied per request" in engine.backends[0][0].plan()
+        with Server(lora_runs, engine=engine) as c:
+            oa = openai.AsyncOpenAI(base_url=f"{c.base_url}/v1", api_key="x", max_retries=0)
+
+            def seen(r) -> tuple[str, int]:
+                return r.choices[0].text, r.usage.completion_tokens
+
+            async def all_at_once():
+                return [seen(r) for r in await asyncio.gather(
+                    *(oa.completions.create(model=n, prompt=q, **ask) for n, q in keys))]
+
+            alone = {(n, q): seen(oa_sync(c).completions.create(model=n, prompt=q, **ask)) for n, q in keys}
+            assert dict(zip(keys, asyncio.run(all_at_once()), strict=True)) == alone
+            assert len({tuple(v for (n, _), v in alone.items() if n == name) for name, _ in lora_runs}) == 3
+
+        server = engine.backends[0][0].server
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        deadline = time.time() + 20
+        while server.died is None:
+            assert time.time() < deadline, "the death of llama-server went unnoticed"
+            time.sleep(0.1)
+        assert server.died.startswith("the llama.cpp engine exited (code -9)") and "\n" not in server.died
+        with Server(lora_runs, engine=engine) as c:
+            health = c.get("/health")
+            assert health.status_code == 503 and health.json()["error"]["message"] == server.died
+            r = c.post("/v1/completions", json={"model": "a", "prompt": "x", **ask})
+            assert r.status_code == 503 and "the llama.cpp engine exited" in r.json()["error"]["message"]
+    finally:
+        engine.close()
+
+
+def test_a_missing_or_broken_llama_server_is_one_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("GPUWISE_LLAMA_SERVER", raising=False)
+    monkeypatch.setenv("GPUWISE_LLAMA_CPP", str(tmp_path / "none"))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert "--llama-server /nonexistent/llama-server: no such executable" in one_line_error(
+        capsys, [BASE, "--engine", "llama.cpp", "--llama-server", "/nonexistent/llama-server"])
+    assert "--engine llama.cpp: llama-server is not installed here: run `make llama.cpp`" in one_line_error(
+        capsys, [BASE, "--engine", "llama.cpp"])
+    broken = tmp_path / "llama-server"
+    broken.write_text("#!/bin/sh\nkill -ILL $$\n")  # a build for another CPU dies of SIGILL
+    broken.chmod(0o755)
+    line = one_line_error(capsys, [BASE, "--engine", "llama.cpp", "--llama-server", str(broken)])
+    assert "--version failed (killed by signal 4): rebuild it with `make llama.cpp`" in line, line
+    assert "--dtype q8_0 is llama.cpp's" in one_line_error(capsys, [BASE, "--engine", "gpuwise", "--dtype", "q8_0"])
+
+
+def test_the_auto_rule_reads_device_format_adapters_and_streams():
+    """plan/engines.py auto_engine, the rule docs/serving.md measures."""
+    assert auto_engine("cuda", True, True, True, 1)[0] == "vllm"
+    assert auto_engine("cuda", False, True, True, 1)[0] == "gpuwise"
+    assert auto_engine("cpu", False, True, quantized_gguf=True, streams=32)[0] == "llama.cpp"
+    assert auto_engine("cpu", False, True, quantized_gguf=True, streams=32, adapters=True)[0] == "gpuwise"
+    assert auto_engine("cpu", False, True, streams=LLAMA_CPP_MAX_STREAMS)[0] == "llama.cpp"
+    assert auto_engine("cpu", False, True, streams=LLAMA_CPP_MAX_STREAMS + 1)[0] == "gpuwise"
+    engine, why = auto_engine("cpu", False, False, quantized_gguf=True, streams=1)
+    assert engine == "gpuwise" and "llama.cpp not installed (make llama.cpp)" in why
+
+    from gpuwise.plan.engines import serving_plan
+
+    plan = {"precision": "bf16", "layout": {}, "model": {"name": BASE}, "seq": 512, "batch": 1, "max_batch": 8}
+    on_cpu = serving_plan(plan, BASE, "", 64, "cpu")
+    assert on_cpu["engine"] == "llama.cpp" and "a quantized GGUF on a CPU" in on_cpu["why"]
