@@ -2,7 +2,9 @@
 decoder (serve/decoder.py, what `gpuwise serve` runs for a Llama-family model) and transformers' forward
 through the same engine, in fp32 and in bf16, the linears of both packed as `gpuwise serve` packs them
 (serve/packed.py; the fused fp32 decoder also unpacked; the fused bf16 one also with SDPA for its decode
-attention instead of serve/attention.py's kernel), and transformers' `generate` at the same batch.
+attention instead of serve/attention.py's kernel, with each layer's ops from Python instead of the whole-step
+kernel, and with those ops' products by oneDNN instead of the product kernel: the last two are the decode step
+before issue #37), and transformers' `generate` at the same batch.
 
 Run: .venv/bin/python benchmarks/engine_step.py [--batches 1,8,32] [--rounds 3] [--steps 16] [--lora 8]
 
@@ -87,7 +89,8 @@ def main() -> None:
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     batches = [int(b) for b in args.batches.split(",")]
 
-    def engine(model, fuse: bool = False, pack: bool = True, kernel: bool = True) -> Engine:
+    def engine(model, fuse: bool = False, pack: bool = True, kernel: bool = True, step: bool = True,
+               gemv: bool = True) -> Engine:  # fmt: skip
         decoder = None
         if fuse:  # as `gpuwise serve` builds it: checked against transformers' at load
             model = copy.deepcopy(model)
@@ -95,7 +98,13 @@ def main() -> None:
             if decoder is None:
                 raise SystemExit(f"the fused decoder is not used for this model: {note}")
             if not kernel:  # the decode steps' attention by SDPA, as before serve/attention.py
-                decoder.attention = None
+                decoder.attention, decoder.step = None, None
+            if not step:  # each layer's ops from Python, as before the whole-step kernel
+                decoder.step = None
+            if not gemv:  # and their products by oneDNN or MKL, as before the product kernel
+                for x in [y for layer in decoder.layers for y in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
+                    x.kernel = None
+                decoder.head.kernel = None
         kw = {"max_seqs": max(batches), "kv_budget_tokens": 1 << 20, "max_queue": 1, "context": 2048}
         e = Engine(model, tok, decoder=decoder, **kw)
         e.close()  # its thread stops; the benchmark drives the steps itself
@@ -125,6 +134,8 @@ def main() -> None:
     variants |= {"fp32 fused unpacked": engine(fp32, fuse=True, pack=False)}
     variants |= {"bf16": engine(packed(bf16)), "bf16 fused": engine(bf16, fuse=True)}
     variants |= {"bf16 fused SDPA": engine(bf16, fuse=True, kernel=False)}
+    variants |= {"bf16 fused Python step": engine(bf16, fuse=True, step=False)}
+    variants |= {"bf16 fused oneDNN products": engine(bf16, fuse=True, step=False, gemv=False)}
     generate = {"fp32 generate": fp32, "bf16 generate": bf16}
     names = list(variants) + list(generate)
     steps: dict[tuple[str, int], list[float]] = {(v, b): [] for v in names for b in batches}
@@ -142,13 +153,13 @@ def main() -> None:
         f"({len(ids)}-token prompt), {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, {args.rounds} rounds interleaved; median ms per step (tokens/s)"
     )
-    print(f"{'batch':>5}" + "".join(f"{n:>21}" for n in names))
+    print(f"{'batch':>5}" + "".join(f"{n:>28}" for n in names))
     for b in batches:
         cells = []
         for n in names:
             ms = statistics.median(steps[n, b]) * 1e3
             cells.append(f"{ms:.1f} ms ({b / ms * 1e3:.0f}/s)")
-        print(f"{b:>5}" + "".join(f"{c:>21}" for c in cells))
+        print(f"{b:>5}" + "".join(f"{c:>28}" for c in cells))
     print(f"packed: fp32 for {packing('cpu', torch.float32)}, bf16 for {packing('cpu', torch.bfloat16)}")
     print(f"decode attention: {attention.load()[1]}")
     for b in batches:
@@ -157,10 +168,14 @@ def main() -> None:
         vs32 = med["fp32 fused"] / med["bf16 fused"]
         pack = med["fp32 fused unpacked"] / med["fp32 fused"]
         kernel_gain = med["bf16 fused SDPA"] / med["bf16 fused"]
+        step_gain = med["bf16 fused Python step"] / med["bf16 fused"]
+        gemv_gain = med["bf16 fused oneDNN products"] / med["bf16 fused Python step"]
         print(
             f"batch {b}: fused / transformers' forward = {ratio['fp32']:.2f}x in fp32, {ratio['bf16']:.2f}x in bf16;"
             f" fused bf16 / fused fp32 = {vs32:.2f}x; fp32 fused packed / not packed = {pack:.2f}x;"
-            f" bf16 fused, decode attention kernel / SDPA = {kernel_gain:.2f}x"
+            f" bf16 fused, decode attention kernel / SDPA = {kernel_gain:.2f}x;"
+            f" bf16 fused, whole-step kernel / Python step = {step_gain:.2f}x;"
+            f" bf16 Python step, product kernel / oneDNN products = {gemv_gain:.2f}x"
         )
 
 

@@ -55,6 +55,10 @@ class DecodeAttention:
         self.gemv_fn = lib.gpuwise_gemv
         self.gemv_fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, *[i64] * 4]
         self.gemv_fn.restype = ctypes.c_int
+        self.step_fn = lib.gpuwise_decode_step
+        f32 = ctypes.c_float
+        self.step_fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, f32, ptr, ptr, *[i64] * 10]
+        self.step_fn.restype = ctypes.c_int
 
     def supports(self, dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in DTYPES and head_dim % 16 == 0 and head_dim <= 256

@@ -263,6 +263,62 @@ class FusedDecoder:
         self.norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
         self.tied = model.lm_head.weight is inner.embed_tokens.weight
         self.head = _Linear(*_weight(model.lm_head), pack, products)
+        self.step = self._step_pointers()  # a whole decode step in one call of the kernel library, where it can
+
+    def _step_pointers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per layer the 12 addresses `gpuwise_decode_step` reads (the cache's two filled in at each step) and the
+        norms' epsilons; None where the kernel library cannot run this model's decode steps (no kernel, a dtype
+        or head dim it does not take, a weight it does not hold plainly)."""
+        if self.attention is None or self.embed.dtype not in attention.DTYPES or self.head_dim > 256:
+            return None
+        linears = [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        for x in [*linears, self.head]:
+            if x.kernel is None or x.weight is None or x.weight.stride() != (x.weight.shape[1], 1):
+                return None
+            if x.bias is not None and (not x.bias.is_contiguous() or x.bias.dtype != self.embed.dtype):
+                return None
+        rows = []
+        for layer in self.layers:
+            row = [layer.norm1[0]]
+            for x in (layer.qkv, layer.o):
+                row += [x.weight, x.bias]
+            row.append(layer.norm2[0])
+            for x in (layer.gate_up, layer.down):
+                row += [x.weight, x.bias]
+            rows.append([0 if t is None else t.data_ptr() for t in row] + [0, 0])
+        eps = [e for layer in self.layers for e in (layer.norm1[1], layer.norm2[1])]
+        return torch.tensor(rows, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32)
+
+    def _decode_step(self, part: Part, cache) -> torch.Tensor | None:
+        """One decode step of part's rows (one token each, no adapter) in one call of the kernel library: the
+        logits [n, vocab] in fp32, or None where the kernel refused it (its Python forward serves from now on)."""
+        assert self.step is not None and self.attention is not None
+        ptrs, eps = self.step
+        n, D = part.ids.shape[0], self.head_dim
+        x = F.embedding(part.ids.reshape(-1), self.embed).contiguous()  # [n, hidden]
+        cos, sin = self.rotary(x.unsqueeze(1), part.pos.reshape(-1, 1))
+        cos, sin = cos.reshape(n, D).contiguous(), sin.reshape(n, D).contiguous()
+        keys, values = cache.keys, cache.values
+        if not (keys.is_contiguous() and values.is_contiguous() and keys.shape == values.shape):
+            return None
+        size = keys.element_size()
+        ptrs[:, 10] = keys.data_ptr() + torch.arange(len(self.layers)) * keys.stride(0) * size
+        ptrs[:, 11] = values.data_ptr() + torch.arange(len(self.layers)) * values.stride(0) * size
+        pos = part.pos.reshape(-1).contiguous()
+        logits = torch.empty((n, self.head.weight.shape[0]), dtype=x.dtype)  # type: ignore[union-attr]
+        args = (x.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), part.first, ptrs.data_ptr())
+        final = (self.norm[0].data_ptr(), self.norm[1], self.head.weight.data_ptr())  # type: ignore[union-attr]
+        shape = (n, x.shape[1], self.heads, self.kv_heads, D, self.layers[0].down.weight.shape[1])  # type: ignore
+        strides = (keys.stride(1), keys.stride(2), keys.stride(3))
+        rc = self.attention.step_fn(
+            attention.DTYPES[x.dtype], *args, eps.data_ptr(), len(self.layers), *final, logits.data_ptr(),
+            *shape, logits.shape[1], *strides,
+        )  # fmt: skip
+        if rc:
+            log.warning("the decode step kernel refused a step: serving its steps with the Python forward")
+            self.step = None
+            return None
+        return logits.float()
 
     def _drop_kernel(self, error: Exception) -> None:
         """The decode kernel failed a call (its own shape check, or anything it raised): this decoder serves with
@@ -358,6 +414,16 @@ class FusedDecoder:
         by that read: docs/serving.md), and each group attends over its own rows of `cache`. The logits of each
         row's last column, [rows, vocab] in fp32, per group."""
         H, K, D = self.heads, self.kv_heads, self.head_dim
+        if self.step is not None and len(parts) == 1 and parts[0].ids.shape[1] == 1:
+            part = parts[0]
+            if part.ids.shape[0] <= GEMV_ROWS and all(a is None or a not in self.adapters for a in part.adapters):
+                if int(part.pos.max()) + 1 > part.length:  # the kernel reads as far as it is told
+                    raise ValueError(
+                        f"a row attends to {int(part.pos.max()) + 1} positions, the cache is bound to {part.length}"
+                    )
+                logits = self._decode_step(part, cache)
+                if logits is not None:
+                    return [logits]
         sizes = [part.ids.numel() for part in parts]
         x = _cat([F.embedding(part.ids.reshape(-1, 1), self.embed) for part in parts])  # [tokens, 1, hidden]
         cos, sin = self.rotary(x, _cat([part.pos.reshape(-1, 1) for part in parts]))  # [tokens, 1, D]

@@ -171,6 +171,89 @@ void gemv(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t O, i
   });
 }
 
+// 3. A whole decode step of a Llama-family decoder (serve/decoder.py's fused forward, one token for each of
+// M <= kMaxRows rows, no LoRA): every layer's norm, products, rotary embedding, cache write and attention in
+// one call, so that the ~25 tensor ops a layer do not each pay Python's and ATen's dispatch. It rounds to T
+// where serve/decoder.py's PyTorch ops do (each op's output), so its logits are that forward's within the
+// order of a sum. x: [M, E] the embedded tokens (updated in place); cos, sin: [M, D]; pos: [M] each row's
+// position, its cache row first + m; per layer l, ptrs[l * 12 + ...]: input norm, qkv weight and bias, o weight
+// and bias, post-attention norm, gate_up weight and bias, down weight and bias (a null bias: none), and the
+// layer's keys and values ([slots, capacity, K, D]: strides c_sn, c_sl, c_sh); eps[l * 2 + 0/1] the norms'.
+// Then the final norm and the output layer into logits [M, V].
+template <typename T>
+void rms(const T* x, const T* weight, float eps, T* out, int64_t M, int64_t E) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T* row = x + m * E;
+    float sum = 0.f;
+    for (int64_t e = 0; e < E; ++e) sum += static_cast<float>(row[e]) * static_cast<float>(row[e]);
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(E) + eps);
+    for (int64_t e = 0; e < E; ++e) {
+      const T normed = static_cast<T>(static_cast<float>(row[e]) * inv);
+      out[m * E + e] = static_cast<T>(static_cast<float>(weight[e]) * static_cast<float>(normed));
+    }
+  }
+}
+
+template <typename T>
+void decode_step(T* x, const T* cos, const T* sin, const int64_t* pos, int64_t first, const int64_t* ptrs,
+                 const float* eps, int64_t layers, const T* final_norm, float final_eps, const T* head, T* logits,
+                 int64_t M, int64_t E, int64_t H, int64_t K, int64_t D, int64_t F, int64_t V, int64_t c_sn,
+                 int64_t c_sl, int64_t c_sh) {
+  const int64_t QKV = (H + 2 * K) * D, half = D / 2;
+  std::vector<T> normed(M * E), qkv(M * QKV), att(M * H * D), proj(M * E), gu(M * 2 * F), act(M * F);
+  std::vector<int64_t> lens(M);
+  for (int64_t m = 0; m < M; ++m) lens[m] = pos[m] + 1;
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t* p = ptrs + l * 12;
+    auto w = [&](int i) { return reinterpret_cast<const T*>(p[i]); };
+    T* kc = reinterpret_cast<T*>(p[10]);
+    T* vc = reinterpret_cast<T*>(p[11]);
+    rms(x, w(0), eps[l * 2], normed.data(), M, E);
+    gemv(normed.data(), w(1), w(2), qkv.data(), M, QKV, E, E);
+    for (int64_t m = 0; m < M; ++m) {
+      T* row = qkv.data() + m * QKV;
+      const T* c = cos + m * D;
+      const T* s = sin + m * D;
+      for (int64_t h = 0; h < H + K; ++h) {  // q and k heads: x * cos + rotate_half(x) * sin, rounded per op
+        T* v = row + h * D;
+        T rotated[512];
+        for (int64_t d = 0; d < half; ++d) {
+          rotated[d] = static_cast<T>(-static_cast<float>(v[d + half]));
+          rotated[d + half] = v[d];
+        }
+        for (int64_t d = 0; d < D; ++d) {
+          const T a = static_cast<T>(static_cast<float>(v[d]) * static_cast<float>(c[d]));
+          const T b = static_cast<T>(static_cast<float>(rotated[d]) * static_cast<float>(s[d]));
+          v[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+        }
+      }
+      T* krow = kc + (first + m) * c_sn + pos[m] * c_sl;
+      T* vrow = vc + (first + m) * c_sn + pos[m] * c_sl;
+      for (int64_t h = 0; h < K; ++h)
+        for (int64_t d = 0; d < D; ++d) {
+          krow[h * c_sh + d] = row[(H + h) * D + d];
+          vrow[h * c_sh + d] = row[(H + K + h) * D + d];
+        }
+    }
+    attend(qkv.data(), kc + first * c_sn, vc + first * c_sn, lens.data(), att.data(), M, H, K, D, QKV, D, c_sn, c_sl,
+           c_sh, H * D, D, 1.f / std::sqrt(static_cast<float>(D)));
+    gemv(att.data(), w(3), w(4), proj.data(), M, E, H * D, H * D);
+    for (int64_t j = 0; j < M * E; ++j) x[j] = static_cast<T>(static_cast<float>(x[j]) + static_cast<float>(proj[j]));
+    rms(x, w(5), eps[l * 2 + 1], normed.data(), M, E);
+    gemv(normed.data(), w(6), w(7), gu.data(), M, 2 * F, E, E);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t f = 0; f < F; ++f) {
+        const float g = static_cast<float>(gu[m * 2 * F + f]);
+        const T silu = static_cast<T>(g / (1.f + std::exp(-g)));
+        act[m * F + f] = static_cast<T>(static_cast<float>(silu) * static_cast<float>(gu[m * 2 * F + F + f]));
+      }
+    gemv(act.data(), w(8), w(9), proj.data(), M, E, F, F);
+    for (int64_t j = 0; j < M * E; ++j) x[j] = static_cast<T>(static_cast<float>(x[j]) + static_cast<float>(proj[j]));
+  }
+  rms(x, final_norm, final_eps, normed.data(), M, E);
+  gemv(normed.data(), head, static_cast<const T*>(nullptr), logits, M, V, E, E);
+}
+
 }  // namespace
 
 extern "C" {
@@ -203,6 +286,27 @@ int gpuwise_gemv(int dtype, const void* x, const void* w, const void* bias, void
   } else if (dtype == 1) {
     gemv(static_cast<const c10::BFloat16*>(x), static_cast<const c10::BFloat16*>(w),
          static_cast<const c10::BFloat16*>(bias), static_cast<c10::BFloat16*>(out), M, O, I, w_so);
+  } else {
+    return 1;
+  }
+  return 0;
+}
+
+// dtype: 0 float32, 1 bfloat16. Returns 0, or 1 when the shapes are not ones it takes.
+int gpuwise_decode_step(int dtype, void* x, const void* cos, const void* sin, const int64_t* pos, int64_t first,
+                        const int64_t* ptrs, const float* eps, int64_t layers, const void* final_norm,
+                        float final_eps, const void* head, void* logits, int64_t M, int64_t E, int64_t H, int64_t K,
+                        int64_t D, int64_t F, int64_t V, int64_t c_sn, int64_t c_sl, int64_t c_sh) {
+  if (M < 1 || M > kMaxRows || D % 16 != 0 || D / 16 > kMaxChunks || K <= 0 || H % K != 0) return 1;
+  if (dtype == 0) {
+    decode_step(static_cast<float*>(x), static_cast<const float*>(cos), static_cast<const float*>(sin), pos, first,
+                ptrs, eps, layers, static_cast<const float*>(final_norm), final_eps, static_cast<const float*>(head),
+                static_cast<float*>(logits), M, E, H, K, D, F, V, c_sn, c_sl, c_sh);
+  } else if (dtype == 1) {
+    using B = c10::BFloat16;
+    decode_step(static_cast<B*>(x), static_cast<const B*>(cos), static_cast<const B*>(sin), pos, first, ptrs, eps,
+                layers, static_cast<const B*>(final_norm), final_eps, static_cast<const B*>(head),
+                static_cast<B*>(logits), M, E, H, K, D, F, V, c_sn, c_sl, c_sh);
   } else {
     return 1;
   }
