@@ -140,7 +140,7 @@ def engine_freed(engine, why: str) -> None:
     if engine is None:
         return
     server = engine.backends[0][0].server
-    deadline = time.time() + 5
+    deadline = time.time() + 15  # a loaded 2-core machine: llama.cpp once took over 5 s
     while True:
         if engine.name == "vllm":
             text = httpx.get(f"{server.url}/metrics", headers=server.headers).text

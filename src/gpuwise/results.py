@@ -216,11 +216,12 @@ class PlanOption(PlanFields):
 class ServingPlan(Result):
     """`--task inference`: how `gpuwise serve` would serve the model on the recommended accelerator."""
 
-    engine: str = Field(description="the engine `gpuwise serve --engine auto` picks there: vllm or gpuwise")
+    engine: str = Field(description="the engine `gpuwise serve --engine auto` picks there: vllm, llama.cpp or gpuwise")
     why: str = Field(description="the rule behind the choice (docs/serving.md)")
     vllm: list[str] | None = Field(None, description="vLLM's OpenAI-server arguments set from this plan")
-    command: str | None = Field(None, description="the shell line that starts that vLLM server")
-    summary: str | None = Field(None, description="vLLM's knobs, as `gpuwise serve` prints them")
+    llama_cpp: list[str] | None = Field(None, description="llama.cpp's llama-server arguments, where it is picked")
+    command: str | None = Field(None, description="the shell line that starts the server of that engine")
+    summary: str | None = Field(None, description="that engine's knobs, as `gpuwise serve` prints them")
 
 
 class PlanResult(PlanFields):

@@ -204,7 +204,8 @@ def render_plan(console: Console, res: PlanResult | dict, sweep: bool) -> None:
         s = res.serving
         console.print(f"[bold]Serving[/]: engine {s.engine} ({s.why})" + (f"\n{s.summary}" if s.summary else ""))
         if s.command:
-            console.print(f"the vLLM server by hand: {s.command}", soft_wrap=True, markup=False)
+            server = "llama.cpp" if s.llama_cpp else "vLLM"
+            console.print(f"the {server} server by hand: {s.command}", soft_wrap=True, markup=False)
 
 
 def render_traced(console: Console, result: dict | TracedPlan) -> None:

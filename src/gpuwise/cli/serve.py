@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import socket
 from pathlib import Path
 from typing import Annotated
@@ -186,6 +187,11 @@ def serve(
 
     Example: gpuwise serve smollm2-135m-instruct, then point the openai SDK or Open WebUI at
     http://127.0.0.1:8000/v1"""
+    # Before torch loads OpenMP: a server's compute threads share the cores with its event loop, and OpenMP's
+    # workers spinning between parallel regions take the CPU that loop needs to send each token (on 2 cores,
+    # PASSIVE against libgomp's default: 32 streams 1.16-1.28x, one stream level; docs/serving.md "One stream").
+    # Set OMP_WAIT_POLICY to override.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import uvicorn
 
     from gpuwise.serve.app import Settings, create_app, server_config

@@ -212,6 +212,17 @@ def serving_plan(result: dict, model_ref: str, source: str, gen: int, kind: str)
     )
     out["vllm"], out["command"] = args.args(), args.command()
     out["summary"] = args.summary()
+    if engine == "llama.cpp":  # the GGUF as it ships; the slots and their KV cache from the plan
+        from gpuwise.plan.bases import named_base_path
+
+        lcpp = LlamaCppArgs(
+            model=str(named_base_path(model_ref)) if model_ref in _named_bases() else model_ref,
+            served_name=result["model"]["name"],
+            ctx_size=streams * (result["seq"] + gen),
+            parallel=streams,
+            threads=None,
+        )
+        out["llama_cpp"], out["command"], out["summary"] = lcpp.args(), lcpp.command(), lcpp.summary()
     return out
 
 
@@ -229,7 +240,7 @@ class LlamaCppArgs:
     served_name: str
     ctx_size: int
     parallel: int
-    threads: int
+    threads: int | None  # None: llama.cpp's own choice (the machine's cores)
     cache_type: str = "f16"
     lora: tuple[str, ...] = ()
 
@@ -240,13 +251,13 @@ class LlamaCppArgs:
             "--ctx-size", str(self.ctx_size),
             "--parallel", str(self.parallel),
             "--kv-unified",
-            "--threads", str(self.threads),
-            "--threads-batch", str(self.threads),
             "--cache-type-k", self.cache_type,
             "--cache-type-v", self.cache_type,
             "--no-webui",
             "--offline",
         ]  # fmt: skip
+        if self.threads:
+            out += ["--threads", str(self.threads), "--threads-batch", str(self.threads)]
         for path in self.lora:
             out += ["--lora", path]
         if self.lora:
@@ -259,7 +270,7 @@ class LlamaCppArgs:
     def summary(self) -> str:
         parts = [
             f"{self.parallel} slots sharing a KV cache of {self.ctx_size:,} tokens ({self.cache_type})",
-            f"{self.threads} threads",
+            f"{self.threads} threads" if self.threads else "threads: llama.cpp's choice",
         ]
         if self.lora:
             parts.append(f"{len(self.lora)} LoRA adapter(s), applied per request")
