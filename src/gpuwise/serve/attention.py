@@ -41,7 +41,11 @@ log = logging.getLogger("gpuwise.serve")
 SOURCE = Path(__file__).with_name("kernels") / "decode_attention.cpp"
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-GEMV_ROWS = 8  # kernels/decode_attention.cpp kMaxRows: a product of more rows goes to oneDNN or MKL
+GEMV_ROWS = 8  # kernels/decode_attention.cpp kMaxRows: the whole-step kernel's rows at most
+# A product alone (a step the whole-step kernel does not take: LoRA rows) goes to the product kernel up to this
+# many rows, to oneDNN or MKL above: against oneDNN's packed bf16 product 1.02x, 1.10x, 0.96x, 0.79x at 1, 2, 4,
+# 8 rows (benchmarks/engine_step.py, docs/serving.md "One stream")
+GEMV_ROWS_ALONE = 2
 
 
 class DecodeAttention:

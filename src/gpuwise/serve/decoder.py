@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpuwise.serve import attention
-from gpuwise.serve.attention import GEMV_ROWS
+from gpuwise.serve.attention import GEMV_ROWS, GEMV_ROWS_ALONE
 from gpuwise.serve.packed import ONEDNN, Packed, PackedLinear
 
 log = logging.getLogger("gpuwise.serve")
@@ -110,8 +110,9 @@ def _lora_unsupported(model) -> str | None:
 class _Linear:
     """One product, packed where `pack` names a packing (serve/packed.py), and its LoRA adapters' low-rank
     updates: per adapter, the products A and B (the scaling folded into B). With `kernel` (serve/attention.py),
-    a product of at most GEMV_ROWS rows (a decode step's) is the kernel's, which reads the plain weight once at
-    the memory's speed: the plain weight is then kept beside a packed copy, for the wider products."""
+    a product of at most GEMV_ROWS_ALONE rows is the kernel's, which reads the plain weight once at the memory's
+    speed, and the whole-step kernel reads it too: the plain weight is then kept beside a packed copy, for the
+    wider products."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: str | None, kernel=None):
         self.bias = bias
@@ -122,7 +123,7 @@ class _Linear:
         self.loras: dict[str, tuple[_Linear, _Linear]] = {}
 
     def __call__(self, x: torch.Tensor, groups: Groups = ()) -> torch.Tensor:
-        if self.kernel is not None and x.numel() <= GEMV_ROWS * x.shape[-1]:
+        if self.kernel is not None and x.numel() <= GEMV_ROWS_ALONE * x.shape[-1]:
             out = self._gemv(x)
         elif self.packed is not None:
             out = self.packed(x)

@@ -133,39 +133,56 @@ void attend(const T* q, const T* k, const T* v, const int64_t* lens, T* out, int
 // in fp32 and the output is rounded to T once. w: [O, I] with row stride w_so, x: [M, I] and out: [M, O]
 // contiguous.
 constexpr int64_t kMaxRows = 8;
+constexpr int64_t kRowsAtOnce = 4;  // input rows a pass: R x 4 fp32 accumulators stay in registers
+
+// out rows m0 .. m0 + MM of output columns o0 .. o0 + rows (rows <= R): each weight row read once a pass
+template <typename T, int MM>
+inline void gemv_block(const float* xf, const T* w, const T* bias, T* out, int64_t O, int64_t I, int64_t w_so,
+                       int64_t o0, int64_t rows) {
+  constexpr int64_t R = 4;
+  const int64_t full = I / 16 * 16, tail = I - full;
+  __m512 acc[R][MM];
+  for (int64_t r = 0; r < R; ++r)
+    for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < full; i += 16) {
+    __m512 wv[R];
+    for (int64_t r = 0; r < R; ++r) wv[r] = r < rows ? load16(w + (o0 + r) * w_so + i) : _mm512_setzero_ps();
+    for (int m = 0; m < MM; ++m) {
+      const __m512 xv = _mm512_loadu_ps(xf + m * I + i);
+      for (int64_t r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  }
+  if (tail) {
+    __m512 wv[R];
+    for (int64_t r = 0; r < R; ++r) wv[r] = r < rows ? load_tail(w + (o0 + r) * w_so + full, tail) : _mm512_setzero_ps();
+    for (int m = 0; m < MM; ++m) {
+      const __m512 xv = load_tail(xf + m * I + full, tail);
+      for (int64_t r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float b = bias ? static_cast<float>(bias[o0 + r]) : 0.f;
+    for (int m = 0; m < MM; ++m) out[m * O + o0 + r] = static_cast<T>(_mm512_reduce_add_ps(acc[r][m]) + b);
+  }
+}
 
 template <typename T>
 void gemv(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t O, int64_t I, int64_t w_so) {
   std::vector<float> xf(M * I);
   for (int64_t j = 0; j < M * I; ++j) xf[j] = static_cast<float>(x[j]);
-  const int64_t full = I / 16 * 16, tail = I - full;
   constexpr int64_t R = 4;
   at::parallel_for(0, (O + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       const int64_t o0 = block * R, rows = std::min(R, O - o0);
-      __m512 acc[R][kMaxRows];
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < full; i += 16) {
-        __m512 wv[R];
-        for (int64_t r = 0; r < R; ++r) wv[r] = r < rows ? load16(w + (o0 + r) * w_so + i) : _mm512_setzero_ps();
-        for (int64_t m = 0; m < M; ++m) {
-          const __m512 xv = _mm512_loadu_ps(xf.data() + m * I + i);
-          for (int64_t r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsAtOnce) {  // more rows: the block's weights again, from L1
+        const float* xm = xf.data() + m0 * I;
+        T* om = out + m0 * O;
+        switch (std::min(kRowsAtOnce, M - m0)) {
+          case 1: gemv_block<T, 1>(xm, w, bias, om, O, I, w_so, o0, rows); break;
+          case 2: gemv_block<T, 2>(xm, w, bias, om, O, I, w_so, o0, rows); break;
+          case 3: gemv_block<T, 3>(xm, w, bias, om, O, I, w_so, o0, rows); break;
+          default: gemv_block<T, 4>(xm, w, bias, om, O, I, w_so, o0, rows); break;
         }
-      }
-      if (tail) {
-        __m512 wv[R];
-        for (int64_t r = 0; r < R; ++r)
-          wv[r] = r < rows ? load_tail(w + (o0 + r) * w_so + full, tail) : _mm512_setzero_ps();
-        for (int64_t m = 0; m < M; ++m) {
-          const __m512 xv = load_tail(xf.data() + m * I + full, tail);
-          for (int64_t r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const float b = bias ? static_cast<float>(bias[o0 + r]) : 0.f;
-        for (int64_t m = 0; m < M; ++m) out[m * O + o0 + r] = static_cast<T>(_mm512_reduce_add_ps(acc[r][m]) + b);
       }
     }
   });
