@@ -94,6 +94,63 @@ class Engine:
             backend.close()
 
 
+def serve_cli(args: list[str], log: Path, seconds: float):
+    """`gpuwise serve ARGS` as a user starts it, on a free port, once /health answers: (process, port, what it
+    printed). The caller stops it."""
+    import os
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "gpuwise", "serve", *args, "--port", str(port)], stdout=out,
+                                stderr=subprocess.STDOUT, env=os.environ | {"COLUMNS": "400"})
+    deadline = time.time() + seconds
+    while True:
+        assert proc.poll() is None, f"gpuwise serve exited: {log.read_text()[-2000:]}"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, port, log.read_text()
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, f"gpuwise serve {' '.join(args)} did not come up"
+        time.sleep(0.5)
+
+
+def stops_with_it(proc, pid: int, label: str) -> None:
+    """SIGTERM to `gpuwise serve` (`proc`) ends it the usual way, and the engine server (`pid`) under it too."""
+    import signal
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == -signal.SIGTERM  # uvicorn re-raises the signal once drained: the usual exit
+    deadline = time.time() + 5
+    while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+        assert time.time() < deadline, f"{label} outlived gpuwise serve"
+        time.sleep(0.1)
+
+
+def killed_is_one_line(engine: Engine, runs: list[tuple[str, str]], label: str) -> None:
+    """Kill the engine's server: its death is noticed, and /health and the next request answer 503 with one
+    line ("the {label} engine exited (code -9): ...")."""
+    import os
+    import signal
+
+    server = engine.backends[0][0].server
+    os.killpg(server.proc.pid, signal.SIGKILL)
+    deadline = time.time() + 20
+    while server.died is None:
+        assert time.time() < deadline, f"the death of {label} went unnoticed"
+        time.sleep(0.1)
+    assert server.died.startswith(f"the {label} engine exited (code -9)") and "\n" not in server.died
+    with Server(runs, engine=engine) as c:
+        health = c.get("/health")
+        assert health.status_code == 503 and health.json()["error"]["message"] == server.died
+        r = c.post("/v1/completions", json={"model": runs[0][0], "prompt": "x", "max_tokens": 4})
+        assert r.status_code == 503 and f"the {label} engine exited" in r.json()["error"]["message"]
+
+
 def VLLM(specs: list[tuple[str, str]], dtype: str = "fp32", max_seqs: int = 4) -> Engine:
     return Engine("vllm", specs, dtype, max_seqs)
 

@@ -4,17 +4,12 @@ tests/test_llm_api.py's, parametrized; here what only llama.cpp needs: the CLI s
 it ships and stopping llama-server with it, LoRA runs as GGUF adapters applied per request, a llama-server that
 dies, a missing one, and the `auto` rule."""
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 
 import openai
 import pytest
-from serving import Engine, Server, llama_server
-from test_vllm_engine import BASE, PROMPTS, alive, free_port, lora_runs, oa_sync, one_line_error, wait_health
+from serving import Engine, Server, killed_is_one_line, llama_server, serve_cli, stops_with_it
+from test_vllm_engine import BASE, PROMPTS, lora_runs, oa_sync, one_line_error
 
 from gpuwise.plan.engines import LLAMA_CPP_MAX_STREAMS, auto_engine
 
@@ -25,15 +20,10 @@ __all__ = ["lora_runs"]  # the fixture, shared with test_vllm_engine.py
 def test_the_cli_serves_the_named_base_as_it_ships_and_stops_llama_server(tmp_path):
     """From the CLI: the Q4_1 GGUF served as it ships, the plan line naming the engine, why, and llama.cpp's
     knobs from gpuwise's plan; chats answer; SIGTERM stops gpuwise and the llama-server under it."""
-    port = free_port()
-    out = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "gpuwise", "serve", BASE, "--engine", "llama.cpp", "--llama-server",
-           str(llama_server()), "--max-seqs", "4", "--max-tokens", "32", "--max-model-len", "1024", "--port", str(port)]
-    with open(out, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"COLUMNS": "400"})
+    args = [BASE, "--engine", "llama.cpp", "--llama-server", str(llama_server()), "--max-seqs", "4", "--max-tokens",
+            "32", "--max-model-len", "1024"]
+    proc, port, printed = serve_cli(args, tmp_path / "serve.log", 120)
     try:
-        wait_health(f"http://127.0.0.1:{port}", proc, 120)
-        printed = out.read_text()
         assert "engine: llama.cpp (--engine llama.cpp; llama-server (version:" in printed, printed
         for knob in ("plan (q4_1): llama.cpp: 4 slots sharing a KV cache of 4,096 tokens (f16)",
                      "SmolLM2-135M-Instruct.Q4_1.gguf as it ships", "the same server by hand: ", "--kv-unified"):
@@ -45,12 +35,7 @@ def test_the_cli_serves_the_named_base_as_it_ships_and_stops_llama_server(tmp_pa
                                            temperature=0)
             assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
             assert len(r.choices[0].message.content.split()) >= 3  # words, from the real model
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == -signal.SIGTERM
-        deadline = time.time() + 5
-        while alive(pid):
-            assert time.time() < deadline, "llama-server outlived gpuwise serve"
-            time.sleep(0.1)
+        stops_with_it(proc, pid, "llama-server")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -81,18 +66,7 @@ def test_lora_runs_are_gguf_adapters_applied_per_request_and_a_dead_llama_server
             assert dict(zip(keys, asyncio.run(all_at_once()), strict=True)) == alone
             assert len({tuple(v for (n, _), v in alone.items() if n == name) for name, _ in lora_runs}) == 3
 
-        server = engine.backends[0][0].server
-        os.killpg(server.proc.pid, signal.SIGKILL)
-        deadline = time.time() + 20
-        while server.died is None:
-            assert time.time() < deadline, "the death of llama-server went unnoticed"
-            time.sleep(0.1)
-        assert server.died.startswith("the llama.cpp engine exited (code -9)") and "\n" not in server.died
-        with Server(lora_runs, engine=engine) as c:
-            health = c.get("/health")
-            assert health.status_code == 503 and health.json()["error"]["message"] == server.died
-            r = c.post("/v1/completions", json={"model": "a", "prompt": "x", **ask})
-            assert r.status_code == 503 and "the llama.cpp engine exited" in r.json()["error"]["message"]
+        killed_is_one_line(engine, lora_runs, "llama.cpp")
     finally:
         engine.close()
 

@@ -3,19 +3,16 @@ behind gpuwise's OpenAI API. The OpenAI surface over both engines is tests/test_
 here what only vLLM needs: the CLI that starts, supervises and stops it, greedy agreement with gpuwise's engine
 on the real SmolLM2, two product-lm LoRA runs, a vLLM that dies, and a missing or failing one."""
 
-import os
 import re
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from serving import VLLM, Server, tiny_chat_model, vllm_python
+from serving import VLLM, Server, killed_is_one_line, serve_cli, stops_with_it, tiny_chat_model, vllm_python
 
 from gpuwise.cli import main
 
@@ -36,44 +33,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_health(url: str, proc: subprocess.Popen, seconds: float) -> None:
-    deadline = time.time() + seconds
-    while True:
-        assert proc.poll() is None, "gpuwise serve exited"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.time() < deadline, "gpuwise serve --engine vllm did not come up"
-        time.sleep(0.5)
-
-
 def oa_sync(c: httpx.Client) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{c.base_url}/v1", api_key="x", max_retries=0)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
 @pytest.mark.slow
 def test_the_cli_serves_smollm2_through_vllm_as_gpuwise_does_and_stops_it(tmp_path):
     """From the CLI: the plan line names the engine and why, and vLLM's knobs; greedy chats agree with gpuwise's
     engine for AGREE_TOKENS tokens; SIGTERM stops gpuwise and the vLLM under it."""
-    port = free_port()
-    out = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "gpuwise", "serve", BASE, "--engine", "vllm", "--vllm-python", vllm_python(),
-           "--dtype", "fp32", "--max-seqs", "4", "--max-tokens", str(AGREE_TOKENS), "--port", str(port)]
-    with open(out, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"COLUMNS": "400"})
+    args = [BASE, "--engine", "vllm", "--vllm-python", vllm_python(), "--dtype", "fp32", "--max-seqs", "4",
+            "--max-tokens", str(AGREE_TOKENS)]
+    proc, port, printed = serve_cli(args, tmp_path / "serve.log", 600)
     try:
-        wait_health(f"http://127.0.0.1:{port}", proc, 600)
-        printed = out.read_text()
         assert "engine: vllm (--engine vllm; vLLM 0.32.0 at" in printed, printed
         for knob in ("tensor_parallel_size 1", "max_model_len 8,192", "(VLLM_CPU_KVCACHE_SPACE)", "max_num_seqs 4",
                      "dtype float32", "prefix caching on", "the same server by hand: VLLM_CPU_KVCACHE_SPACE="):
@@ -93,12 +64,7 @@ def test_the_cli_serves_smollm2_through_vllm_as_gpuwise_does_and_stops_it(tmp_pa
             assert v.usage.completion_tokens == g.usage.completion_tokens  # the end-of-text token is not counted
             assert v.choices[0].finish_reason == g.choices[0].finish_reason
 
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == -signal.SIGTERM  # uvicorn re-raises the signal once drained: the usual exit
-        deadline = time.time() + 5
-        while alive(vllm_pid):
-            assert time.time() < deadline, "vLLM outlived gpuwise serve"
-            time.sleep(0.1)
+        stops_with_it(proc, vllm_pid, "vLLM")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -130,12 +96,12 @@ def test_two_lora_runs_answer_through_vllm_as_on_gpuwise_and_a_dead_vllm_is_one_
     ask = {"max_tokens": 12, "temperature": 0}
     prompts = ["This coffee", "My dog likes"]
 
-    def answers(vllm_backends) -> dict:
+    def answers(engine) -> dict:
         """{(model, prompt): (text, tokens)}, asked one at a time and then all at once. A run this small often
         generates bytes that are not UTF-8: gpuwise's detokenizer shows each as U+FFFD, vLLM's drops them, so
         the texts are compared without U+FFFD and the token counts beside them."""
         keys = [(n, q) for n, _ in lora_runs for q in prompts]
-        with Server(lora_runs, engine=vllm_backends, dtype="fp32") as c:
+        with Server(lora_runs, engine=engine, dtype="fp32") as c:
             oa = openai.AsyncOpenAI(base_url=f"{c.base_url}/v1", api_key="x", max_retries=0)
 
             def seen(r) -> tuple[str, int]:
@@ -154,20 +120,9 @@ def test_two_lora_runs_answer_through_vllm_as_on_gpuwise_and_a_dead_vllm_is_one_
     vllm = VLLM(lora_runs)
     try:
         assert "LoRA: max_lora_rank 16, 3 module(s)" in vllm.backends[0][0].plan()  # product-lm: rank 16
-        assert answers(vllm.backends) == ours
+        assert answers(vllm) == ours
 
-        server = vllm.backends[0][0].server
-        os.killpg(server.proc.pid, signal.SIGKILL)
-        deadline = time.time() + 20
-        while server.died is None:
-            assert time.time() < deadline, "the death of vLLM went unnoticed"
-            time.sleep(0.1)
-        assert server.died.startswith("the vLLM engine exited (code -9)") and "\n" not in server.died
-        with Server(lora_runs, engine=vllm) as c:
-            health = c.get("/health")
-            assert health.status_code == 503 and health.json()["error"]["message"] == server.died
-            r = c.post("/v1/completions", json={"model": "a", "prompt": "x", **ask})
-            assert r.status_code == 503 and "the vLLM engine exited" in r.json()["error"]["message"]
+        killed_is_one_line(vllm, lora_runs, "vLLM")
     finally:
         vllm.close()
 

@@ -67,8 +67,11 @@ class ChildServer:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.key}"}
 
-    def start(self, cmd: list[str], env: dict[str, str]) -> None:
-        """Run `cmd` (which listens on self.port) with `env` added to this process's environment."""
+    def start(self, cmd: list[str], env: dict[str, str], key_env: str) -> None:
+        """Run `cmd` with `env` added to this process's environment, told to listen on loopback at self.port
+        (`--host`, `--port`: both engines' flags) and given the key in `key_env`."""
+        cmd = [*cmd, "--host", "127.0.0.1", "--port", str(self.port)]
+        env = {**env, key_env: self.key}
         t0 = time.monotonic()
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(
@@ -281,3 +284,66 @@ class StreamingEngine:
             self.stats.on_token((now - seq.t_last) / len(ids))
         seq.t_last = now
         seq.out.extend(ids)
+
+
+class ChildBackend:
+    """One base (with its LoRA adapters) served by one engine server gpuwise starts: what `LLM` needs of a
+    backend. A subclass sets `args` (its knobs: `summary()`), `precision`, `kv_bytes_per_token`, `limits` and
+    `eos`, makes `server`, and says how an engine is made over it (`engine_for`) and how to start it by hand."""
+
+    server: ChildServer
+    engine: StreamingEngine
+    owner: bool
+    args: Any
+    limits: Limits
+    precision: str
+    kv_bytes_per_token: int
+
+    def engine_for(self, limits: Limits) -> StreamingEngine:
+        raise NotImplementedError
+
+    def by_hand(self) -> str:
+        """The shell line that starts the same server."""
+        raise NotImplementedError
+
+    def about(self) -> str:
+        """What the plan line says beyond the knobs ("" for nothing)."""
+        return ""
+
+    def cleanup(self) -> None:
+        """What the backend made for its server (converted files, a zero adapter), once the server is stopped."""
+
+    def run(self, server: ChildServer, cmd: list[str], env: dict[str, str], key_env: str) -> None:
+        """Start `server` running `cmd` (serve/child.py `ChildServer.start`); on failure clean up and raise."""
+        self.server = server
+        try:
+            server.start(cmd, env, key_env)
+        except BaseException:
+            self.cleanup()
+            raise
+        self.engine, self.owner = self.engine_for(self.limits), True
+
+    def with_limits(self, limits: Limits):
+        """The same server behind other limits (a front end of its own; closing it leaves the server)."""
+        import copy
+
+        other = copy.copy(self)
+        other.engine, other.owner = self.engine_for(limits), False
+        return other
+
+    def planned_kv_bytes_per_token(self) -> float:
+        return float(self.kv_bytes_per_token)
+
+    def plan(self) -> str:
+        pid = self.server.proc.pid if self.server.proc else "?"
+        return (
+            f"plan ({self.precision}): {self.args.summary()}{self.about()}; started in {self.server.started_s:.1f} s "
+            f"(pid {pid}, loopback port {self.server.port}, a key of its own)\n  the same server by hand: "
+            f"{self.by_hand()}"
+        )
+
+    def close(self) -> None:
+        self.engine.close()
+        if self.owner:
+            self.server.stop()
+            self.cleanup()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from gpuwise.errors import GpuwiseError
 from gpuwise.plan.engines import LlamaCppArgs
-from gpuwise.serve.child import ChildServer, StreamingEngine
+from gpuwise.serve.child import ChildBackend, ChildServer, StreamingEngine
 from gpuwise.serve.engine import GREEDY_BELOW, Sequence, kv_budget
 from gpuwise.serve.kvcache import kv_shape
 from gpuwise.workloads.serving import Limits
@@ -160,25 +160,13 @@ def gguf_adapter(adapter: Path, base: str, binary: Path) -> Path:
     return out
 
 
-class LlamaCppServer(ChildServer):
-    """One llama-server (serve/child.py): its command from `LlamaCppArgs`, its key as LLAMA_API_KEY."""
-
-    def __init__(self, binary: Path, args: LlamaCppArgs, start_timeout_s: float):
-        super().__init__("llama.cpp", args.served_name, start_timeout_s, "--engine-timeout")
-        self.binary, self.args = binary, args
-
-    def launch(self) -> None:
-        cmd = [str(self.binary), *self.args.args(), "--host", "127.0.0.1", "--port", str(self.port)]
-        self.start(cmd, {"LLAMA_API_KEY": self.key})
-
-
 class LlamaCppEngine(StreamingEngine):
-    """The engine interface over a `LlamaCppServer`: one streaming /completion request per sequence, the prompt
+    """The engine interface over llama-server: one streaming /completion request per sequence, the prompt
     as token ids, the tokens back as ids; a LoRA run's requests name its adapter (scale 1, the others 0)."""
 
     path = "/completion"
 
-    def __init__(self, server: LlamaCppServer, lora: dict[str, int], eos: set[int], limits: Limits):
+    def __init__(self, server: ChildServer, lora: dict[str, int], eos: set[int], limits: Limits):
         super().__init__(server, eos, limits)
         # Off beside LoRA adapters: a slot's cached prompt, computed under one adapter, was reused for a request
         # under another (the base's answer in a crowd of adapter requests came out garbled: docs/serving.md)
@@ -218,7 +206,7 @@ class LlamaCppEngine(StreamingEngine):
         return finish, {"prompt_tokens": chunk.get("tokens_evaluated", len(seq.prompt))}
 
 
-class LlamaCppBackend:
+class LlamaCppBackend(ChildBackend):
     """One base (with its LoRA adapters) served by one llama-server: what `LLM` needs of a backend."""
 
     def __init__(
@@ -264,35 +252,18 @@ class LlamaCppBackend:
         self.eos = {int(t) for t in [*end_of_text(source, config), tok.eos_token_id] if t is not None}
 
     def start(self, start_timeout_s: float) -> LlamaCppBackend:
-        self.server = LlamaCppServer(self.binary, self.args, start_timeout_s)
-        self.server.launch()
-        self.engine = LlamaCppEngine(self.server, self.lora, self.eos, self.limits)
-        self.owner = True
+        server = ChildServer("llama.cpp", self.args.served_name, start_timeout_s, "--engine-timeout")
+        self.run(server, [str(self.binary), *self.args.args()], {}, "LLAMA_API_KEY")
         return self
 
-    def with_limits(self, limits: Limits) -> LlamaCppBackend:
-        """The same llama-server behind other limits (a front end of its own; closing it leaves the server)."""
-        import copy
+    def engine_for(self, limits: Limits) -> LlamaCppEngine:
+        return LlamaCppEngine(self.server, self.lora, self.eos, limits)
 
-        other = copy.copy(self)
-        other.engine, other.owner = LlamaCppEngine(self.server, self.lora, self.eos, limits), False
-        return other
+    def about(self) -> str:
+        return f"; model {self.made}"
 
-    def planned_kv_bytes_per_token(self) -> float:
-        return float(self.kv_bytes_per_token)
-
-    def plan(self) -> str:
-        return (
-            f"plan ({self.precision}): {self.args.summary()}; model {self.made}; started in "
-            f"{self.server.started_s:.1f} s (pid {self.server.proc.pid if self.server.proc else '?'}, loopback "
-            f"port {self.server.port}, a key of its own)\n  the same server by hand: "
-            f"{self.args.command(str(self.binary))}"
-        )
-
-    def close(self) -> None:
-        self.engine.close()
-        if self.owner:
-            self.server.stop()
+    def by_hand(self) -> str:
+        return self.args.command(str(self.binary))
 
 
 def quantized_gguf(ref: str) -> bool:

@@ -14,7 +14,6 @@ back; a client that leaves closes that stream, which aborts the request inside v
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from gpuwise.errors import GpuwiseError
 from gpuwise.plan.engines import VLLMArgs, cpu_kv_gib, lora_rank, tensor_parallel
-from gpuwise.serve.child import ChildServer, StreamingEngine
+from gpuwise.serve.child import ChildBackend, ChildServer, StreamingEngine
 from gpuwise.serve.engine import GREEDY_BELOW, Sequence, kv_budget
 from gpuwise.serve.kvcache import kv_shape
 from gpuwise.workloads.serving import Limits
@@ -77,23 +76,11 @@ def find_vllm(python: str | None) -> tuple[str, str] | None:
     return None
 
 
-class VLLMServer(ChildServer):
-    """One vLLM OpenAI server (serve/child.py): its command from `VLLMArgs`, its key as VLLM_API_KEY."""
-
-    def __init__(self, python: str, args: VLLMArgs, start_timeout_s: float):
-        super().__init__("vLLM", args.served_name, start_timeout_s, "--vllm-timeout")
-        self.python, self.args = python, args
-
-    def launch(self) -> None:
-        cmd = [self.python, "-m", MODULE, *self.args.args(), "--host", "127.0.0.1", "--port", str(self.port)]
-        self.start(cmd, {**self.args.env(), "VLLM_API_KEY": self.key})
-
-
 class VLLMEngine(StreamingEngine):
-    """The engine interface over a `VLLMServer`: one streaming /v1/completions request per sequence, the
+    """The engine interface over vLLM's server: one streaming /v1/completions request per sequence, the
     prompt as token ids, the tokens back as ids (vLLM's `return_token_ids`)."""
 
-    def __init__(self, server: VLLMServer, route: dict[str | None, str], eos: set[int], limits: Limits):
+    def __init__(self, server: ChildServer, route: dict[str | None, str], eos: set[int], limits: Limits):
         super().__init__(server, eos, limits)
         self.route = route
 
@@ -166,7 +153,7 @@ def _generation_eos(source: str):
         return None
 
 
-class VLLMBackend:
+class VLLMBackend(ChildBackend):
     """One base (with its LoRA adapters) served by one vLLM server: what `LLM` needs of a backend."""
 
     def __init__(
@@ -232,34 +219,16 @@ class VLLMBackend:
         self.eos = {int(t) for t in [*end_of_text(source, config), tok.eos_token_id] if t is not None}
 
     def start(self, python: str, start_timeout_s: float) -> VLLMBackend:
-        self.server = VLLMServer(python, self.args, start_timeout_s)
-        try:
-            self.server.launch()
-        except BaseException:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            raise
-        self.engine = VLLMEngine(self.server, self.route, self.eos, self.limits)
-        self.owner = True
+        self.python = python
+        server = ChildServer("vLLM", self.args.served_name, start_timeout_s, "--vllm-timeout")
+        self.run(server, [python, "-m", MODULE, *self.args.args()], self.args.env(), "VLLM_API_KEY")
         return self
 
-    def with_limits(self, limits: Limits) -> VLLMBackend:
-        """The same vLLM server behind other limits (a front end of its own; closing it leaves the server)."""
-        other = copy.copy(self)
-        other.engine, other.owner = VLLMEngine(self.server, self.route, self.eos, limits), False
-        return other
+    def engine_for(self, limits: Limits) -> VLLMEngine:
+        return VLLMEngine(self.server, self.route, self.eos, limits)
 
-    def planned_kv_bytes_per_token(self) -> float:
-        return float(self.kv_bytes_per_token)
+    def by_hand(self) -> str:
+        return self.args.command(self.python)
 
-    def plan(self) -> str:
-        return (
-            f"plan ({self.precision}): {self.args.summary()}; started in {self.server.started_s:.0f} s "
-            f"(pid {self.server.proc.pid if self.server.proc else '?'}, loopback port {self.server.port}, "
-            f"a key of its own)\n  the same server by hand: {self.args.command(self.server.python)}"
-        )
-
-    def close(self) -> None:
-        self.engine.close()
-        if self.owner:
-            self.server.stop()
-            shutil.rmtree(self.workdir, ignore_errors=True)
+    def cleanup(self) -> None:
+        shutil.rmtree(self.workdir, ignore_errors=True)
