@@ -1,6 +1,6 @@
 """Run one of llama.cpp's converters (convert_hf_to_gguf.py, convert_lora_to_gguf.py) with one change, for
 `gpuwise serve --engine llama.cpp`: a tokenizer whose pre-tokenizer llama.cpp does not know (its converter
-recognises a list of published ones by a hash of their output; a `product-lm` run trained from scratch has a
+recognises a list of published ones by a hash of their output; a language-model run trained from scratch has a
 tokenizer of its own) is written as llama.cpp's "default" one instead of ending the conversion.
 
 Why that is safe here: the pre-tokenizer only decides how llama.cpp itself would split a text into tokens, and

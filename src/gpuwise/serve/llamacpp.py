@@ -4,7 +4,7 @@ gpuwise runs llama.cpp's own server, `llama-server`, as a child process (serve/c
 free port, behind a random key given as LLAMA_API_KEY. It reads GGUF as it ships: the named base's Q4_1 file
 is served as it is, where gpuwise's own engine and vLLM are given it dequantized to fp32. A model in another
 form (a run, a model directory) or another precision (`--dtype bf16|fp16|fp32|q8_0`) is converted once by
-llama.cpp's own converter (convert_hf_to_gguf.py) and kept under gpuwise's cache; a `product-lm` run's LoRA
+llama.cpp's own converter (convert_hf_to_gguf.py) and kept under gpuwise's cache; a LoRA run's
 adapter likewise (convert_lora_to_gguf.py), and applied per request.
 
 Each sequence is one streamed request to llama-server's /completion with the prompt's token ids (gpuwise's
@@ -148,7 +148,7 @@ def gguf_model(ref: str, source: str, dtype: str, binary: Path) -> tuple[Path, s
 
 
 def gguf_adapter(adapter: Path, base: str, binary: Path) -> Path:
-    """A product-lm run's LoRA adapter (peft, safetensors) as a GGUF LoRA adapter, converted once and cached."""
+    """A LoRA run's adapter (peft, safetensors) as a GGUF LoRA adapter, converted once and cached."""
     from gpuwise.workloads.pretrained import cache_root
 
     if not (adapter / "adapter_model.safetensors").is_file():
