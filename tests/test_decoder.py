@@ -111,13 +111,15 @@ def test_lora_adapters_are_applied_row_by_row_as_peft_does(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_a_decode_step_in_one_kernel_call_is_the_python_forward_and_a_refusal_hands_back(kind, dtype, caplog):
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_a_decode_step_in_one_kernel_call_is_the_python_forward_and_a_refusal_hands_back(kind, dtype, n, caplog):
     """The whole decode step in one call of the kernel library (kernels/decode_attention.cpp decode_step) gives
     the fused Python forward's logits, rows at different positions together; a step it refuses (its own shape
     check) is served by the Python forward, from then on, with one log line. Bound: the two round at the
     same ops and share the product kernel, but the norms' sums run in another order; measured 1.6e-7 and
     1.7e-7 of the largest logit in fp32, 0 (bitwise) in bf16. Allowed: 1e-5 in fp32, and in bf16 1e-2, one
-    rounding's difference passed through the layers."""
+    rounding's difference passed through the layers. Rows: 1 (one stream), 3, and 8 (the kernel's most), so
+    that the threads' shares of each phase come out uneven."""
     import logging
 
     from gpuwise.serve.engine import SlotCache, additive_mask
@@ -128,9 +130,9 @@ def test_a_decode_step_in_one_kernel_call_is_the_python_forward_and_a_refusal_ha
     assert decoder is not None, note
     if decoder.step is None:
         pytest.skip(f"the kernel library does not run this decoder's steps here ({decoder.why})")
-    n, ctx = 3, 12
+    ctx = 12
     ids = torch.tensor([[5, 17, 101, 44, 9, 250, 3, 77, 12, 60, 8, 31]] * n)
-    lengths = [12, 7, 10]  # each row's prompt, prefilled, then one decode step at its own position
+    lengths = [12, 7, 10, 4, 12, 9, 2, 11][:n]  # each row's prompt, prefilled, then one decode step at its position
 
     def step(use_kernel: bool) -> torch.Tensor:
         cache = SlotCache(config, n, dtype, "cpu", context=ctx, start=ctx)
@@ -163,6 +165,8 @@ def test_a_decode_step_in_one_kernel_call_is_the_python_forward_and_a_refusal_ha
             refused = step(True)
     finally:
         decoder.attention.step_fn = real
-    assert torch.equal(refused, python) and decoder.step is None
+    # the Python forward again: at 8 rows in fp32 its own products (oneDNN's) differ run to run in the last bit
+    # (1.2e-7 seen), so within 1e-6 of the largest logit, not bitwise
+    assert float((refused - python).abs().max() / python.abs().max()) <= 1e-6 and decoder.step is None
     assert [r.message for r in caplog.records] == [
         "the decode step kernel refused a step: serving its steps with the Python forward"]

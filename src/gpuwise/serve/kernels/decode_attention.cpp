@@ -12,9 +12,15 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <omp.h>
+#include <sched.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <new>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -57,15 +63,17 @@ inline __m512 exp16(__m512 x) {
 
 constexpr int64_t kMaxChunks = 16;  // head dim up to 256 in 16-float registers
 
+// A work item is a row, all its heads: the keys and values of one position (every head) are contiguous in the
+// cache, read in one pass. With fewer rows than two per thread, a (row, key/value head) pair instead.
+inline int64_t attend_split(int64_t n, int64_t K, int64_t threads) { return n >= 2 * threads ? 1 : K; }
+
+// the work items begin .. end of attend (below), split of them a row
 template <typename T>
-void attend(const T* q, const T* k, const T* v, const int64_t* lens, T* out, int64_t n, int64_t H, int64_t K,
-            int64_t D, int64_t q_sn, int64_t q_sh, int64_t c_sn, int64_t c_sl, int64_t c_sh, int64_t o_sn,
-            int64_t o_sh, float scale) {
-  const int64_t G = H / K, V = D / 16;
-  // A work item is a row, all its heads: the keys and values of one position (every head) are contiguous in the
-  // cache, read in one pass. With fewer rows than two per thread, a (row, key/value head) pair instead.
-  const int64_t split = n >= 2 * at::get_num_threads() ? 1 : K, per = K / split;
-  at::parallel_for(0, n * split, 1, [&](int64_t begin, int64_t end) {
+void attend_items(const T* q, const T* k, const T* v, const int64_t* lens, T* out, int64_t H, int64_t K, int64_t D,
+                  int64_t q_sn, int64_t q_sh, int64_t c_sn, int64_t c_sl, int64_t c_sh, int64_t o_sn, int64_t o_sh,
+                  float scale, int64_t split, int64_t begin, int64_t end) {
+  const int64_t G = H / K, V = D / 16, per = K / split;
+  {
     std::vector<__m512> query(H * V), acc(H * V);
     std::vector<float> scores;
     alignas(64) float lane[kMaxChunks * 16];
@@ -123,6 +131,16 @@ void attend(const T* q, const T* k, const T* v, const int64_t* lens, T* out, int
         for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(lane[d]);
       }
     }
+  }
+}
+
+template <typename T>
+void attend(const T* q, const T* k, const T* v, const int64_t* lens, T* out, int64_t n, int64_t H, int64_t K,
+            int64_t D, int64_t q_sn, int64_t q_sh, int64_t c_sn, int64_t c_sl, int64_t c_sh, int64_t o_sn,
+            int64_t o_sh, float scale) {
+  const int64_t split = attend_split(n, K, at::get_num_threads());
+  at::parallel_for(0, n * split, 1, [&](int64_t begin, int64_t end) {
+    attend_items(q, k, v, lens, out, H, K, D, q_sn, q_sh, c_sn, c_sl, c_sh, o_sn, o_sh, scale, split, begin, end);
   });
 }
 
@@ -134,17 +152,26 @@ void attend(const T* q, const T* k, const T* v, const int64_t* lens, T* out, int
 // contiguous.
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kRowsAtOnce = 4;  // input rows a pass: R x 4 fp32 accumulators stay in registers
+constexpr int64_t kBlock = 4;       // weight rows a pass
+constexpr int64_t kAhead = 4;       // weight rows ahead that a pass prefetches
 
-// out rows m0 .. m0 + MM of output columns o0 .. o0 + rows (rows <= R): each weight row read once a pass
-template <typename T, int MM>
-inline void gemv_block(const float* xf, const T* w, const T* bias, T* out, int64_t O, int64_t I, int64_t w_so,
-                       int64_t o0, int64_t rows) {
-  constexpr int64_t R = 4;
+// Output rows m0 .. m0 + MM of output columns o0 .. o0 + rows (rows <= kBlock), each weight row read once a
+// pass: emit(m, o, the fp32 sum plus the bias) for each, m counted from m0.
+template <typename T, int MM, typename Emit>
+inline void gemv_block(const float* xf, const T* w, const T* bias, int64_t I, int64_t w_so, int64_t o0,
+                       int64_t rows, Emit&& emit) {
+  constexpr int64_t R = kBlock;
   const int64_t full = I / 16 * 16, tail = I - full;
   __m512 acc[R][MM];
   for (int64_t r = 0; r < R; ++r)
     for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_setzero_ps();
+  // the weight rows kAhead on, asked for a block ahead: this pass reads R rows at once, more streams than the
+  // hardware's prefetcher follows well (a 1-row product read the weight 1.3-1.5x faster with it)
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + static_cast<uintptr_t>((o0 + kAhead) * w_so) * sizeof(T);
   for (int64_t i = 0; i < full; i += 16) {
+    if (i * sizeof(T) % 64 == 0)
+      for (int64_t r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + (r * w_so + i) * sizeof(T)), _MM_HINT_T0);
     __m512 wv[R];
     for (int64_t r = 0; r < R; ++r) wv[r] = r < rows ? load16(w + (o0 + r) * w_so + i) : _mm512_setzero_ps();
     for (int m = 0; m < MM; ++m) {
@@ -162,29 +189,41 @@ inline void gemv_block(const float* xf, const T* w, const T* bias, T* out, int64
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float b = bias ? static_cast<float>(bias[o0 + r]) : 0.f;
-    for (int m = 0; m < MM; ++m) out[m * O + o0 + r] = static_cast<T>(_mm512_reduce_add_ps(acc[r][m]) + b);
+    for (int m = 0; m < MM; ++m) emit(m, o0 + r, _mm512_reduce_add_ps(acc[r][m]) + b);
   }
+}
+
+// Output columns o0 .. o0 + rows (rows <= kBlock) for all M input rows xf [M, I] in fp32: emit(m, o, v).
+template <typename T, typename Emit>
+void gemv_cols(const float* xf, const T* w, const T* bias, int64_t M, int64_t I, int64_t w_so, int64_t o0,
+               int64_t rows, Emit&& emit) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRowsAtOnce) {  // more rows: the block's weights again, from L1
+    const float* xm = xf + m0 * I;
+    auto at = [&](int m, int64_t o, float v) { emit(m0 + m, o, v); };
+    switch (std::min(kRowsAtOnce, M - m0)) {
+      case 1: gemv_block<T, 1>(xm, w, bias, I, w_so, o0, rows, at); break;
+      case 2: gemv_block<T, 2>(xm, w, bias, I, w_so, o0, rows, at); break;
+      case 3: gemv_block<T, 3>(xm, w, bias, I, w_so, o0, rows, at); break;
+      default: gemv_block<T, 4>(xm, w, bias, I, w_so, o0, rows, at); break;
+    }
+  }
+}
+
+// Weight blocks begin .. end (kBlock output columns each, of O): emit(m, o, v).
+template <typename T, typename Emit>
+void gemv_blocks(const float* xf, const T* w, const T* bias, int64_t M, int64_t O, int64_t I, int64_t w_so,
+                 int64_t begin, int64_t end, Emit&& emit) {
+  for (int64_t block = begin; block < end; ++block)
+    gemv_cols(xf, w, bias, M, I, w_so, block * kBlock, std::min(kBlock, O - block * kBlock), emit);
 }
 
 template <typename T>
 void gemv(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t O, int64_t I, int64_t w_so) {
   std::vector<float> xf(M * I);
   for (int64_t j = 0; j < M * I; ++j) xf[j] = static_cast<float>(x[j]);
-  constexpr int64_t R = 4;
-  at::parallel_for(0, (O + R - 1) / R, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t o0 = block * R, rows = std::min(R, O - o0);
-      for (int64_t m0 = 0; m0 < M; m0 += kRowsAtOnce) {  // more rows: the block's weights again, from L1
-        const float* xm = xf.data() + m0 * I;
-        T* om = out + m0 * O;
-        switch (std::min(kRowsAtOnce, M - m0)) {
-          case 1: gemv_block<T, 1>(xm, w, bias, om, O, I, w_so, o0, rows); break;
-          case 2: gemv_block<T, 2>(xm, w, bias, om, O, I, w_so, o0, rows); break;
-          case 3: gemv_block<T, 3>(xm, w, bias, om, O, I, w_so, o0, rows); break;
-          default: gemv_block<T, 4>(xm, w, bias, om, O, I, w_so, o0, rows); break;
-        }
-      }
-    }
+  at::parallel_for(0, (O + kBlock - 1) / kBlock, 16, [&](int64_t begin, int64_t end) {
+    gemv_blocks(xf.data(), w, bias, M, O, I, w_so, begin, end,
+                [&](int64_t m, int64_t o, float v) { out[m * O + o] = static_cast<T>(v); });
   });
 }
 
@@ -197,8 +236,49 @@ void gemv(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t O, i
 // and bias, post-attention norm, gate_up weight and bias, down weight and bias (a null bias: none), and the
 // layer's keys and values ([slots, capacity, K, D]: strides c_sn, c_sl, c_sh); eps[l * 2 + 0/1] the norms'.
 // Then the final norm and the output layer into logits [M, V].
+//
+// The threads stay in one parallel region for the whole step and meet at a spinning barrier between its
+// phases (six a layer). A parallel region per product and attention (151 a step) woke the pool's threads
+// each time, and under OMP_WAIT_POLICY=PASSIVE (what `gpuwise serve` sets, so that idle threads leave the
+// cores to the server) a wake costs tens of microseconds: docs/serving.md, "One stream".
+
+// A barrier for the threads of one region: spins (a phase is tens of microseconds), then yields the core,
+// so that a thread the OS took off a core is not kept off by the one waiting for it.
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int threads) : threads_(threads) {}
+  void wait() {
+    if (threads_ == 1) return;
+    const int phase = phase_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == threads_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      phase_.store(phase + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; phase_.load(std::memory_order_acquire) == phase; ++spins) {
+      if (spins < kSpins) {
+        _mm_pause();
+      } else {
+        sched_yield();
+      }
+    }
+  }
+
+ private:
+  static constexpr int kSpins = 1 << 12;
+  const int threads_;
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<int> phase_{0};
+};
+
+// this thread's share [begin, end) of n items among `threads`
+inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int threads) {
+  return {n * tid / threads, n * (tid + 1) / threads};
+}
+
+// x [M, E] normalized (RMSNorm, rounded to T as serve/decoder.py's ops round) into xf in fp32, the products' input
 template <typename T>
-void rms(const T* x, const T* weight, float eps, T* out, int64_t M, int64_t E) {
+void rms_into(const T* x, const T* weight, float eps, float* xf, int64_t M, int64_t E) {
   for (int64_t m = 0; m < M; ++m) {
     const T* row = x + m * E;
     float sum = 0.f;
@@ -206,9 +286,14 @@ void rms(const T* x, const T* weight, float eps, T* out, int64_t M, int64_t E) {
     const float inv = 1.f / std::sqrt(sum / static_cast<float>(E) + eps);
     for (int64_t e = 0; e < E; ++e) {
       const T normed = static_cast<T>(static_cast<float>(row[e]) * inv);
-      out[m * E + e] = static_cast<T>(static_cast<float>(weight[e]) * static_cast<float>(normed));
+      xf[m * E + e] = static_cast<float>(static_cast<T>(static_cast<float>(weight[e]) * static_cast<float>(normed)));
     }
   }
+}
+
+template <typename T>
+void to_float(const T* x, float* xf, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) xf[j] = static_cast<float>(x[j]);
 }
 
 template <typename T>
@@ -217,58 +302,114 @@ void decode_step(T* x, const T* cos, const T* sin, const int64_t* pos, int64_t f
                  int64_t M, int64_t E, int64_t H, int64_t K, int64_t D, int64_t F, int64_t V, int64_t c_sn,
                  int64_t c_sl, int64_t c_sh) {
   const int64_t QKV = (H + 2 * K) * D, half = D / 2;
-  std::vector<T> normed(M * E), qkv(M * QKV), att(M * H * D), proj(M * E), gu(M * 2 * F), act(M * F);
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  std::vector<T> qkv(M * QKV), att(M * H * D), act(M * F);
   std::vector<int64_t> lens(M);
   for (int64_t m = 0; m < M; ++m) lens[m] = pos[m] + 1;
-  for (int64_t l = 0; l < layers; ++l) {
-    const int64_t* p = ptrs + l * 12;
-    auto w = [&](int i) { return reinterpret_cast<const T*>(p[i]); };
-    T* kc = reinterpret_cast<T*>(p[10]);
-    T* vc = reinterpret_cast<T*>(p[11]);
-    rms(x, w(0), eps[l * 2], normed.data(), M, E);
-    gemv(normed.data(), w(1), w(2), qkv.data(), M, QKV, E, E);
-    for (int64_t m = 0; m < M; ++m) {
-      T* row = qkv.data() + m * QKV;
-      const T* c = cos + m * D;
-      const T* s = sin + m * D;
-      for (int64_t h = 0; h < H + K; ++h) {  // q and k heads: x * cos + rotate_half(x) * sin, rounded per op
-        T* v = row + h * D;
-        T rotated[512];
-        for (int64_t d = 0; d < half; ++d) {
-          rotated[d] = static_cast<T>(-static_cast<float>(v[d + half]));
-          rotated[d + half] = v[d];
-        }
-        for (int64_t d = 0; d < D; ++d) {
-          const T a = static_cast<T>(static_cast<float>(v[d]) * static_cast<float>(c[d]));
-          const T b = static_cast<T>(static_cast<float>(rotated[d]) * static_cast<float>(s[d]));
-          v[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+  const int requested = at::get_num_threads();
+  SpinBarrier* barrier = nullptr;
+  alignas(SpinBarrier) unsigned char barrier_space[sizeof(SpinBarrier)];
+#pragma omp parallel num_threads(requested)
+  {
+    const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
+#pragma omp single
+    barrier = new (barrier_space) SpinBarrier(threads);  // the team's size is known only inside the region
+    // (omp single ends with OpenMP's own barrier: every thread sees the barrier from here on)
+    std::vector<float> xf(M * std::max({E, H * D, F}));
+    auto add_to_x = [&](int64_t m, int64_t o, float v) {  // the residual: x + the product rounded to T, rounded
+      x[m * E + o] = static_cast<T>(static_cast<float>(x[m * E + o]) + static_cast<float>(static_cast<T>(v)));
+    };
+    for (int64_t l = 0; l < layers; ++l) {
+      const int64_t* p = ptrs + l * 12;
+      auto w = [&](int i) { return reinterpret_cast<const T*>(p[i]); };
+      T* kc = reinterpret_cast<T*>(p[10]);
+      T* vc = reinterpret_cast<T*>(p[11]);
+      // the norm (every thread its own copy: it is small), then this thread's share of the qkv product
+      rms_into(x, w(0), eps[l * 2], xf.data(), M, E);
+      {
+        auto [b, e] = share((QKV + kBlock - 1) / kBlock, tid, threads);
+        gemv_blocks(xf.data(), w(1), w(2), M, QKV, E, E, b, e,
+                    [&](int64_t m, int64_t o, float v) { qkv[m * QKV + o] = static_cast<T>(v); });
+      }
+      barrier->wait();
+      // rotary embedding of the q and k heads: x * cos + rotate_half(x) * sin, rounded per op; a k head's
+      // item also writes that head's key and value to the cache
+      {
+        auto [b, e] = share(M * (H + K), tid, threads);
+        for (int64_t item = b; item < e; ++item) {
+          const int64_t m = item / (H + K), h = item % (H + K);
+          T* row = qkv.data() + m * QKV;
+          const T* c = cos + m * D;
+          const T* s = sin + m * D;
+          T* v = row + h * D;
+          T rotated[512];
+          for (int64_t d = 0; d < half; ++d) {
+            rotated[d] = static_cast<T>(-static_cast<float>(v[d + half]));
+            rotated[d + half] = v[d];
+          }
+          for (int64_t d = 0; d < D; ++d) {
+            const T a = static_cast<T>(static_cast<float>(v[d]) * static_cast<float>(c[d]));
+            const T r = static_cast<T>(static_cast<float>(rotated[d]) * static_cast<float>(s[d]));
+            v[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(r));
+          }
+          if (h >= H) {
+            const int64_t kh = h - H;
+            T* krow = kc + (first + m) * c_sn + pos[m] * c_sl + kh * c_sh;
+            T* vrow = vc + (first + m) * c_sn + pos[m] * c_sl + kh * c_sh;
+            for (int64_t d = 0; d < D; ++d) {
+              krow[d] = v[d];
+              vrow[d] = row[(H + K + kh) * D + d];
+            }
+          }
         }
       }
-      T* krow = kc + (first + m) * c_sn + pos[m] * c_sl;
-      T* vrow = vc + (first + m) * c_sn + pos[m] * c_sl;
-      for (int64_t h = 0; h < K; ++h)
-        for (int64_t d = 0; d < D; ++d) {
-          krow[h * c_sh + d] = row[(H + h) * D + d];
-          vrow[h * c_sh + d] = row[(H + K + h) * D + d];
+      barrier->wait();
+      {
+        const int64_t split = attend_split(M, K, threads);
+        auto [b, e] = share(M * split, tid, threads);
+        attend_items(qkv.data(), kc + first * c_sn, vc + first * c_sn, lens.data(), att.data(), H, K, D, QKV, D,
+                     c_sn, c_sl, c_sh, H * D, D, scale, split, b, e);
+      }
+      barrier->wait();
+      // the output projection, added to x column by column (no other thread reads x until the barrier)
+      to_float(att.data(), xf.data(), M * H * D);
+      {
+        auto [b, e] = share((E + kBlock - 1) / kBlock, tid, threads);
+        gemv_blocks(xf.data(), w(3), w(4), M, E, H * D, H * D, b, e, add_to_x);
+      }
+      barrier->wait();
+      // the MLP's gate and up products for the same columns, then silu(gate) * up for them
+      rms_into(x, w(5), eps[l * 2 + 1], xf.data(), M, E);
+      {
+        auto [b, e] = share((F + kBlock - 1) / kBlock, tid, threads);
+        for (int64_t block = b; block < e; ++block) {
+          T gate[kBlock * kMaxRows], up[kBlock * kMaxRows];
+          const int64_t f0 = block * kBlock, rows = std::min(kBlock, F - f0);
+          gemv_cols(xf.data(), w(6), w(7), M, E, E, f0, rows,
+                    [&](int64_t m, int64_t o, float v) { gate[(o - f0) * M + m] = static_cast<T>(v); });
+          gemv_cols(xf.data(), w(6), w(7), M, E, E, F + f0, rows,
+                    [&](int64_t m, int64_t o, float v) { up[(o - F - f0) * M + m] = static_cast<T>(v); });
+          for (int64_t f = f0; f < f0 + rows; ++f)
+            for (int64_t m = 0; m < M; ++m) {
+              const float g = static_cast<float>(gate[(f - f0) * M + m]);
+              const T silu = static_cast<T>(g / (1.f + std::exp(-g)));
+              act[m * F + f] = static_cast<T>(static_cast<float>(silu) * static_cast<float>(up[(f - f0) * M + m]));
+            }
         }
+      }
+      barrier->wait();
+      to_float(act.data(), xf.data(), M * F);
+      {
+        auto [b, e] = share((E + kBlock - 1) / kBlock, tid, threads);
+        gemv_blocks(xf.data(), w(8), w(9), M, E, F, F, b, e, add_to_x);
+      }
+      barrier->wait();
     }
-    attend(qkv.data(), kc + first * c_sn, vc + first * c_sn, lens.data(), att.data(), M, H, K, D, QKV, D, c_sn, c_sl,
-           c_sh, H * D, D, 1.f / std::sqrt(static_cast<float>(D)));
-    gemv(att.data(), w(3), w(4), proj.data(), M, E, H * D, H * D);
-    for (int64_t j = 0; j < M * E; ++j) x[j] = static_cast<T>(static_cast<float>(x[j]) + static_cast<float>(proj[j]));
-    rms(x, w(5), eps[l * 2 + 1], normed.data(), M, E);
-    gemv(normed.data(), w(6), w(7), gu.data(), M, 2 * F, E, E);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t f = 0; f < F; ++f) {
-        const float g = static_cast<float>(gu[m * 2 * F + f]);
-        const T silu = static_cast<T>(g / (1.f + std::exp(-g)));
-        act[m * F + f] = static_cast<T>(static_cast<float>(silu) * static_cast<float>(gu[m * 2 * F + F + f]));
-      }
-    gemv(act.data(), w(8), w(9), proj.data(), M, E, F, F);
-    for (int64_t j = 0; j < M * E; ++j) x[j] = static_cast<T>(static_cast<float>(x[j]) + static_cast<float>(proj[j]));
+    rms_into(x, final_norm, final_eps, xf.data(), M, E);
+    auto [b, e] = share((V + kBlock - 1) / kBlock, tid, threads);
+    gemv_blocks(xf.data(), head, static_cast<const T*>(nullptr), M, V, E, E, b, e,
+                [&](int64_t m, int64_t o, float v) { logits[m * V + o] = static_cast<T>(v); });
   }
-  rms(x, final_norm, final_eps, normed.data(), M, E);
-  gemv(normed.data(), head, static_cast<const T*>(nullptr), logits, M, V, E, E);
 }
 
 }  // namespace
