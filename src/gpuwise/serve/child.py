@@ -42,6 +42,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def end_of_text(source: str, config, tok) -> set[int]:
+    """The end-of-text ids of the model an engine serves: its config's, its generation config's and its
+    tokenizer's (gpuwise stops a request at any of them, as its own engine does)."""
+    ids: list = [tok.eos_token_id]
+    for eos in (getattr(config, "eos_token_id", None), _generation_eos(source)):
+        ids += eos if isinstance(eos, list) else [eos]
+    return {int(t) for t in ids if t is not None}
+
+
+def _generation_eos(source: str):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(source).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json
+        return None
+
+
 class ChildServer:
     """One engine server: started with a deadline, watched, stopped. Its log is a file of its own, kept (and
     named in the error) when it fails. `name` prefixes its log lines and its errors ("vLLM", "llama.cpp");

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from gpuwise.errors import GpuwiseError
 from gpuwise.plan.engines import LlamaCppArgs
-from gpuwise.serve.child import ChildBackend, ChildServer, StreamingEngine
+from gpuwise.serve.child import ChildBackend, ChildServer, StreamingEngine, end_of_text
 from gpuwise.serve.engine import GREEDY_BELOW, Sequence, kv_budget
 from gpuwise.serve.kvcache import kv_shape
 from gpuwise.workloads.serving import Limits
@@ -247,9 +247,7 @@ class LlamaCppBackend(ChildBackend):
             lora=tuple(str(gguf_adapter(a, source, binary)) for _, a in adapters),
         )
         self.limits = limits
-        from gpuwise.serve.vllm import end_of_text
-
-        self.eos = {int(t) for t in [*end_of_text(source, config), tok.eos_token_id] if t is not None}
+        self.eos = end_of_text(source, config, tok)
 
     def start(self, start_timeout_s: float) -> LlamaCppBackend:
         server = ChildServer("llama.cpp", self.args.served_name, start_timeout_s, "--engine-timeout")

@@ -6,7 +6,6 @@ routes); `--runtime onnx` swaps a torch forward for onnxruntime's where the work
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -98,9 +97,12 @@ def load_model(ref: str, limits: Limits, name: str | None = None, dtype: str = "
     return LLM.single(model, tok, name or model_id(ref), limits, workload="llm", about=about, dtype=dtype)
 
 
-def model_groups(specs: list[tuple[str, str]]) -> dict[str, list[tuple[str, Path | None]]]:
+def model_groups(
+    specs: list[tuple[str, str]], given: dict[str, str] | None = None
+) -> dict[str, list[tuple[str, Path | None]]]:
     """`--model NAME=REF` specs -> {the base's source: [(name, its LoRA adapter or None)]}. A language-model
-    LoRA run is its adapter over its base: runs over the same base share one copy of it."""
+    LoRA run is its adapter over its base: runs over the same base share one copy of it. `given`, where passed,
+    gets {source: the first REF that named it} for the models given directly (a named base, a .gguf file)."""
     from gpuwise.train.records import open_finished
     from gpuwise.workloads.pretrained import SCRATCH, quiet_transformers, resolve_base
 
@@ -123,6 +125,8 @@ def model_groups(specs: list[tuple[str, str]]) -> dict[str, list[tuple[str, Path
             check_gguf(ref)
             found = resolve_base(ref, flag="--model")
             source, adapter = (str(Path(found).resolve()) if Path(found).exists() else found), None
+            if given is not None:
+                given.setdefault(source, ref)
         groups.setdefault(source, []).append((name, adapter))
     return groups
 
@@ -202,12 +206,8 @@ def engine_backends(specs: list[tuple[str, str]], make) -> list:
     started by `make(ref, source, tokenizer, config, [(name, adapter)])`, where `ref` is the model as given (a
     named base or a .gguf file, which llama.cpp serves as it ships) or the base's directory. gpuwise loads only
     the tokenizer and the config: the weights are the engine's to hold. A base that fails stops those started."""
-    groups = model_groups(specs)
     given: dict[str, str] = {}
-    for _, ref in specs:
-        if not is_run(Path(ref).expanduser()):
-            with contextlib.suppress(GpuwiseError):
-                given.setdefault(_source_of(ref), ref)
+    groups = model_groups(specs, given)
     from transformers import AutoConfig, AutoTokenizer
 
     backends: list = []
@@ -225,14 +225,6 @@ def engine_backends(specs: list[tuple[str, str]], make) -> list:
             backend.close()
         raise
     return backends
-
-
-def _source_of(ref: str) -> str:
-    """The directory `model_groups` keys a model given as `ref` under."""
-    from gpuwise.workloads.pretrained import resolve_base
-
-    found = resolve_base(ref, flag="--model")
-    return str(Path(found).resolve()) if Path(found).exists() else found
 
 
 def parse_models(values: list[str]) -> list[tuple[str, str]]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from gpuwise.errors import GpuwiseError
 from gpuwise.plan.engines import VLLMArgs, cpu_kv_gib, lora_rank, tensor_parallel
-from gpuwise.serve.child import ChildBackend, ChildServer, StreamingEngine
+from gpuwise.serve.child import ChildBackend, ChildServer, StreamingEngine, end_of_text
 from gpuwise.serve.engine import GREEDY_BELOW, Sequence, kv_budget
 from gpuwise.serve.kvcache import kv_shape
 from gpuwise.workloads.serving import Limits
@@ -136,23 +136,6 @@ def adapter_rank(adapter: Path) -> int:
         raise GpuwiseError(f"{adapter}: not a LoRA adapter vLLM can load ({e})") from None
 
 
-def end_of_text(source: str, config) -> list:
-    """The end-of-text ids of the model (its generation config's as well as its config's)."""
-    ids: list = []
-    for eos in (getattr(config, "eos_token_id", None), _generation_eos(source)):
-        ids += eos if isinstance(eos, list) else [eos]
-    return ids
-
-
-def _generation_eos(source: str):
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(source).eos_token_id
-    except (OSError, ValueError):  # no generation_config.json
-        return None
-
-
 class VLLMBackend(ChildBackend):
     """One base (with its LoRA adapters) served by one vLLM server: what `LLM` needs of a backend."""
 
@@ -216,7 +199,7 @@ class VLLMBackend(ChildBackend):
             eager=device == "cpu",
         )
         self.route, self.limits = route, limits
-        self.eos = {int(t) for t in [*end_of_text(source, config), tok.eos_token_id] if t is not None}
+        self.eos = end_of_text(source, config, tok)
 
     def start(self, python: str, start_timeout_s: float) -> VLLMBackend:
         self.python = python
