@@ -1,8 +1,10 @@
 """An LLM behind the OpenAI API under load: `gpuwise serve` against `transformers serve` (with and without its
-continuous batching), SmolLM2-135M-Instruct, the official `openai` client as the load generator.
+continuous batching), vLLM's and llama.cpp's own servers, and gpuwise in front of each of those two engines;
+SmolLM2-135M-Instruct, the official `openai` client as the load generator.
 
 Run: .venv/bin/python benchmarks/llm_serve_load.py [--dtypes fp32,bf16] [--rounds 2]
      [--servers gpuwise,gpuwise-no-prefix,hf,hf-cb]
+     issue #37's table: --dtypes bf16 --servers gpuwise,gpuwise-llama.cpp,llama.cpp,llama.cpp-q4_1,gpuwise-vllm,vllm
 
 Each server is a fresh process on loopback, given the same converted model directory and dtype; all of a
 dtype's servers are up at once (the CPU time each takes while idle is printed: none should) and take turns.
@@ -53,6 +55,7 @@ PROMPTS = [
     "Explain what a recommender system does.",
 ]
 LEVELS = {1: 4, 8: 16, 32: 32}  # concurrency -> requests
+BASE = "smollm2-135m-instruct"
 
 
 def free_port() -> int:
@@ -74,9 +77,10 @@ def vllm_alone(model_dir: str, dtype: str, port: int, python: str) -> tuple[list
     return [python, "-m", "vllm.entrypoints.openai.api_server", *args.args(), "--port", str(port)], args.env()
 
 
-def llama_cpp_alone(model_dir: str, dtype: str, port: int) -> list[str]:
+def llama_cpp_alone(model_dir: str, dtype: str, port: int, shipped: bool = False) -> list[str]:
     """llama.cpp's own llama-server with the knobs `gpuwise serve --engine llama.cpp` gives it
-    (plan.engines.LlamaCppArgs), on the GGUF gpuwise converts the same model to with llama.cpp's converter."""
+    (plan.engines.LlamaCppArgs), on the GGUF gpuwise converts the same model to with llama.cpp's converter;
+    `shipped`: on the named base's GGUF as it ships (Q4_1), what `--engine auto` serves it from."""
     import torch
 
     from gpuwise.plan.engines import LlamaCppArgs
@@ -85,7 +89,10 @@ def llama_cpp_alone(model_dir: str, dtype: str, port: int) -> list[str]:
     found = find_llama_server(None)
     if found is None:
         raise SystemExit("llama.cpp: no llama-server (make llama.cpp)")
-    gguf, _ = gguf_model(model_dir, model_dir, dtype, found[0])
+    if shipped:
+        gguf, _ = gguf_model(BASE, model_dir, "auto", found[0])
+    else:
+        gguf, _ = gguf_model(model_dir, model_dir, dtype, found[0])
     args = LlamaCppArgs(str(gguf), Path(model_dir).name, 32 * CONTEXT, 32, torch.get_num_threads(),
                         cache_type="f32" if dtype == "fp32" else "f16")  # fmt: skip
     return [str(found[0]), *args.args(), "--port", str(port)]
@@ -108,8 +115,8 @@ def start(
     if kind == "vllm":
         cmd, env = vllm_alone(model_dir, dtype, port, vllm_python)
         model = Path(model_dir).name
-    elif kind == "llama.cpp":
-        cmd, model = llama_cpp_alone(model_dir, dtype, port), Path(model_dir).name
+    elif kind in ("llama.cpp", "llama.cpp-q4_1"):
+        cmd, model = llama_cpp_alone(model_dir, dtype, port, shipped=kind == "llama.cpp-q4_1"), Path(model_dir).name
     elif kind.startswith("gpuwise"):
         cmd = [
             sys.executable,
@@ -278,7 +285,8 @@ def main() -> None:
         default="gpuwise,gpuwise-no-prefix,hf,hf-cb",
         help="of gpuwise, gpuwise-no-prefix, gpuwise-vllm (gpuwise serve --engine vllm), vllm (vLLM's own server, "
         "the same knobs), gpuwise-llama.cpp (gpuwise serve --engine llama.cpp), llama.cpp (llama-server alone, "
-        "the same knobs and GGUF), hf, hf-cb",
+        "the same knobs and GGUF), llama.cpp-q4_1 (llama-server alone on the named base's Q4_1 GGUF as it ships, "
+        "whatever --dtypes), hf, hf-cb",
     )
     ap.add_argument(
         "--vllm-python",
@@ -311,7 +319,7 @@ def main() -> None:
     from gpuwise.hardware.devices import computes_bf16
     from gpuwise.workloads.pretrained import resolve_base
 
-    model_dir = resolve_base("smollm2-135m-instruct")
+    model_dir = resolve_base(BASE)
     dtypes = args.dtypes.split(",") if args.dtypes else ["fp32"] + (["bf16"] if computes_bf16(args.device) else [])
     params = 134_515_008  # SmolLM2-135M (the GGUF header; `gpuwise plan --model smollm2-135m-instruct`)
     names = {
@@ -323,6 +331,7 @@ def main() -> None:
         "vllm": "vLLM alone",
         "gpuwise-llama.cpp": "gpuwise --engine llama.cpp",
         "llama.cpp": "llama.cpp alone",
+        "llama.cpp-q4_1": "llama.cpp alone, Q4_1",
     }
     logs = Path(tempfile.mkdtemp())
     rows = []
@@ -403,10 +412,14 @@ def main() -> None:
             print(f"{dtype}: gpuwise at 32 / at 1 = {ours[32] / ours[1]:.2f} (goal >= 3)")
         if ours[1] and plain:
             print(f"{dtype}: at 1, gpuwise / transformers = {ours[1] / plain:.2f} (goal >= 1)")
-        for name in ("gpuwise --engine vllm", "vLLM alone"):
+        # issue #37's goals: against llama.cpp on the same weights, >= 0.8x at one stream and >= 1.0x at 32
+        goals = {("llama.cpp alone", 1): " (goal >= 0.8)", ("llama.cpp alone", 32): " (goal >= 1.0)"}
+        for name in ("gpuwise --engine vllm", "vLLM alone", "gpuwise --engine llama.cpp", "llama.cpp alone",
+                     "llama.cpp alone, Q4_1"):  # fmt: skip
             for c in LEVELS:
                 if ours[c] and (theirs := by.get((dtype, name, c))):
-                    print(f"{dtype}: at {c}, gpuwise's engine / {name} = {ours[c] / theirs:.2f} (--engine auto's rule)")
+                    goal = goals.get((name, c), " (--engine auto's rule)")
+                    print(f"{dtype}: at {c}, gpuwise's engine / {name} = {ours[c] / theirs:.2f}{goal}")
 
 
 if __name__ == "__main__":

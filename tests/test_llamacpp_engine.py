@@ -91,10 +91,11 @@ def test_the_auto_rule_reads_device_format_adapters_and_streams():
     """plan/engines.py auto_engine, the rule docs/serving.md measures."""
     assert auto_engine("cuda", True, True, True, 1)[0] == "vllm"
     assert auto_engine("cuda", False, True, True, 1)[0] == "gpuwise"
-    assert auto_engine("cpu", False, True, quantized_gguf=True, streams=32)[0] == "llama.cpp"
-    assert auto_engine("cpu", False, True, quantized_gguf=True, streams=32, adapters=True)[0] == "gpuwise"
-    assert auto_engine("cpu", False, True, streams=LLAMA_CPP_MAX_STREAMS)[0] == "llama.cpp"
-    assert auto_engine("cpu", False, True, streams=LLAMA_CPP_MAX_STREAMS + 1)[0] == "gpuwise"
+    one, more = LLAMA_CPP_MAX_STREAMS, LLAMA_CPP_MAX_STREAMS + 1
+    assert auto_engine("cpu", False, True, quantized_gguf=True, streams=one)[0] == "llama.cpp"
+    assert auto_engine("cpu", False, True, quantized_gguf=True, streams=more)[0] == "gpuwise"
+    assert auto_engine("cpu", False, True, quantized_gguf=True, streams=one, adapters=True)[0] == "gpuwise"
+    assert auto_engine("cpu", False, True, streams=one)[0] == "gpuwise"  # bf16 or fp32: gpuwise's engine
     engine, why = auto_engine("cpu", False, False, quantized_gguf=True, streams=1)
     assert engine == "gpuwise" and "llama.cpp not installed (make llama.cpp)" in why
 
@@ -103,3 +104,16 @@ def test_the_auto_rule_reads_device_format_adapters_and_streams():
     plan = {"precision": "bf16", "layout": {}, "model": {"name": BASE}, "seq": 512, "batch": 1, "max_batch": 8}
     on_cpu = serving_plan(plan, BASE, "", 64, "cpu")
     assert on_cpu["engine"] == "llama.cpp" and "a quantized GGUF on a CPU" in on_cpu["why"]
+    assert serving_plan(plan | {"batch": 8}, BASE, "", 64, "cpu")["engine"] == "gpuwise"  # --batch 8: 8 streams
+
+
+def test_serve_auto_picks_llama_cpp_for_the_named_base_at_one_stream_only():
+    """`gpuwise serve BASE` (`--engine auto`, as `choose_engine` reads it) with llama.cpp installed: llama.cpp
+    at --max-seqs 1, gpuwise's engine at the default 32; a model given in bf16 is gpuwise's at one stream too."""
+    from gpuwise.serve.engine_client import choose_engine
+
+    binary = str(llama_server())
+    one = choose_engine("auto", [(BASE, BASE)], 1, "auto", llama_server=binary)
+    assert one.engine == "llama.cpp" and one.llama_server is not None and "ahead at one stream" in one.why
+    assert choose_engine("auto", [(BASE, BASE)], 32, "auto", llama_server=binary).engine == "gpuwise"
+    assert choose_engine("auto", [(BASE, BASE)], 1, "bf16", llama_server=binary).engine == "gpuwise"

@@ -193,7 +193,7 @@ def test_plan_inference_names_the_engine_and_prints_a_vllm_command_vllm_takes(ca
     from gpuwise.plan.engines import serving_plan
 
     on_cpu = serving_plan(plan, "HuggingFaceTB/SmolLM2-135M-Instruct", "", 0, "cpu")
-    assert on_cpu["engine"] == "gpuwise" and "ahead at 8 and 32 streams" in on_cpu["why"]
+    assert on_cpu["engine"] == "gpuwise" and "ahead at 1, 8 and 32 streams" in on_cpu["why"]
     assert on_cpu["command"].startswith("VLLM_CPU_KVCACHE_SPACE=") and "--enforce-eager" in on_cpu["vllm"]
     assert "--gpu-memory-utilization" not in on_cpu["vllm"]
 

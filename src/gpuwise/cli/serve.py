@@ -139,9 +139,8 @@ def serve(
         str,
         typer.Option(
             help="Language models: the engine that generates: auto, gpuwise, vllm, llama.cpp. auto: vLLM on CUDA "
-            "where it is installed; on a CPU llama.cpp for a quantized GGUF or --max-seqs 1 where it is "
-            "installed, else gpuwise's own (ahead at 8 and 32 streams). The rule and its measurements: "
-            "docs/serving.md.",
+            "where it is installed; on a CPU llama.cpp for a quantized GGUF (the named bases) at --max-seqs 1 "
+            "where it is installed, else gpuwise's own. The rule and its measurements: docs/serving.md.",
         ),
     ] = "auto",
     vllm_python: Annotated[

@@ -10,8 +10,8 @@ import shlex
 from dataclasses import dataclass
 
 ENGINES = ("auto", "gpuwise", "vllm", "llama.cpp")
-# --engine auto on a CPU: llama.cpp for this many streams (--max-seqs) or fewer, where it is installed; gpuwise's
-# engine above (benchmarks/llm_serve_load.py, docs/serving.md "Three engines")
+# --engine auto on a CPU: llama.cpp for a quantized GGUF at this many streams (--max-seqs) or fewer, where it is
+# installed; gpuwise's engine above (benchmarks/llm_serve_load.py, docs/serving.md "Three engines")
 LLAMA_CPP_MAX_STREAMS = 1
 # vLLM's LoRA kernels are built for these ranks (vllm/config/lora.py: max_lora_rank's choices)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -32,26 +32,33 @@ def auto_engine(
     """`--engine auto`: (engine, why). The rule, from benchmarks/llm_serve_load.py (docs/serving.md):
     - CUDA: vLLM where it is installed: CUDA graphs, paged-attention kernels, tensor and pipeline parallelism;
       gpuwise's engine decodes eagerly there.
-    - CPU, a quantized GGUF (Q4, Q8: the named base as it ships) and llama.cpp installed: llama.cpp serves the
-      file as it is; the other engines are given it dequantized to fp32, 4 to 8 times the bytes read a token.
     - CPU, LoRA adapters: gpuwise's engine, which batches requests for different adapters together
       (llama.cpp runs a batch per adapter set; vLLM-CPU gave a base request an adapter's answer).
-    - CPU, at most LLAMA_CPP_MAX_STREAMS streams expected (--max-seqs) and llama.cpp installed: llama.cpp,
-      ahead at one stream.
-    - CPU otherwise: gpuwise's engine: ahead of llama.cpp and vLLM-CPU on tokens/s at 8 and 32 streams, its
-      first tokens sooner; it also starts in seconds and holds about half vLLM's memory."""
+    - CPU, a quantized GGUF (Q4, Q8: the named base as it ships), at most LLAMA_CPP_MAX_STREAMS streams
+      expected (--max-seqs) and llama.cpp installed: llama.cpp serves the file as it is, reading 3-4 times
+      fewer bytes a token than gpuwise's engine in bf16, which it is ahead of at one stream.
+    - CPU otherwise: gpuwise's engine: ahead of llama.cpp (on the same weights, and on that quantized file
+      from 8 streams) and of vLLM-CPU at 1, 8 and 32 streams, its first tokens sooner; it also starts in
+      seconds and holds about half vLLM's memory."""
     if device == "cuda":
         if vllm_found:
             return "vllm", "auto: a CUDA device and vLLM installed (CUDA graphs, paged attention)"
         return "gpuwise", "auto: a CUDA device but no vLLM found (--vllm-python, GPUWISE_VLLM_PYTHON)"
     if adapters:
         return "gpuwise", "auto: on a CPU with LoRA adapters, gpuwise's engine batches them together"
-    if llama_cpp_found and quantized_gguf:
-        return "llama.cpp", "auto: a quantized GGUF on a CPU, served by llama.cpp as it ships (not dequantized)"
-    if llama_cpp_found and streams <= LLAMA_CPP_MAX_STREAMS:
-        return "llama.cpp", f"auto: on a CPU at --max-seqs {streams}, llama.cpp (ahead at one stream)"
-    why = "auto: on a CPU gpuwise's engine: ahead at 8 and 32 streams, first tokens sooner"
+    if llama_cpp_found and quantized_gguf and streams <= LLAMA_CPP_MAX_STREAMS:
+        return "llama.cpp", (
+            f"auto: a quantized GGUF on a CPU, {_streams(streams)}: llama.cpp serves it as it ships "
+            "(not dequantized), ahead at one stream"
+        )
+    why = "auto: on a CPU gpuwise's engine: ahead at 1, 8 and 32 streams, first tokens sooner"
+    if quantized_gguf and llama_cpp_found:
+        why = f"auto: on a CPU, {_streams(streams)}: gpuwise's engine (ahead of llama.cpp on a quantized GGUF from 8)"
     return "gpuwise", why + ("" if llama_cpp_found else "; llama.cpp not installed (make llama.cpp)")
+
+
+def _streams(n: int) -> str:
+    return f"{n} stream{'' if n == 1 else 's'} expected"
 
 
 def tensor_parallel(weight_bytes: float, gpu_bytes: float, gpus: int, kv_share: float = 0.2) -> int:
@@ -181,8 +188,8 @@ def serving_plan(result: dict, model_ref: str, source: str, gen: int, kind: str)
     """`gpuwise plan --task inference`: the engine `gpuwise serve --engine auto` would pick on the accelerator
     the plan recommends, and vLLM's command line set from the plan (the same knobs `gpuwise serve` sets)."""
     device = "cpu" if kind == "cpu" else "cuda"
-    streams = max(result["batch"], result.get("max_batch") or 1)
     gguf = model_ref.lower().endswith(".gguf") or model_ref in _named_bases()  # the named bases ship as Q4/Q8
+    streams = result["batch"]  # the streams expected: the plan's --batch, as `gpuwise serve --max-seqs` is serve's
     engine, why = auto_engine(device, vllm_found=True, llama_cpp_found=True, quantized_gguf=gguf, streams=streams)
     if device == "cuda":
         why = "auto: a CUDA device, once vLLM is installed there (CUDA graphs, paged attention)"
@@ -269,7 +276,8 @@ class LlamaCppArgs:
 
     def summary(self) -> str:
         parts = [
-            f"{self.parallel} slots sharing a KV cache of {self.ctx_size:,} tokens ({self.cache_type})",
+            f"{self.parallel} slot{'' if self.parallel == 1 else 's'} sharing a KV cache of {self.ctx_size:,} tokens "
+            f"({self.cache_type})",
             f"{self.threads} threads" if self.threads else "threads: llama.cpp's choice",
         ]
         if self.lora:

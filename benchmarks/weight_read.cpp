@@ -1,0 +1,91 @@
+// How fast a one-row product reads its bf16 weight on this CPU, read as gpuwise's decode kernel reads it
+// (src/gpuwise/serve/kernels/decode_attention.cpp: gemv_block, 4 weight rows a pass), with and without asking
+// for the rows ahead (_mm_prefetch), beside one plain stream a thread summed: the bound the kernel is held to.
+// One weight of 270 MB (SmolLM2-135M's bytes a token in bf16) as [O, 576]; every variant in one run, rounds
+// alternating, median of each.
+//
+// Build and run (AVX-512):
+//   g++ -O3 -march=native -fopenmp benchmarks/weight_read.cpp -o /tmp/weight_read && OMP_NUM_THREADS=2 /tmp/weight_read
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace {
+constexpr int64_t I = 576, O = 270'000'000 / 2 / I;
+
+inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// this thread's product rows, 4 a pass; ahead > 0: each pass asks for the rows `ahead` on
+void product(const uint16_t* w, const float* x, float* out, int64_t ahead) {
+  const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
+  const int64_t blocks = O / 4, b = blocks * tid / threads, e = blocks * (tid + 1) / threads;
+  for (int64_t block = b; block < e; ++block) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const uint16_t* rows = w + block * 4 * I;
+    for (int64_t i = 0; i < I; i += 16) {
+      if (ahead && i % 32 == 0)
+        for (int r = 0; r < 4; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows + (ahead + r) * I + i), _MM_HINT_T0);
+      const __m512 xv = _mm512_loadu_ps(x + i);
+      for (int r = 0; r < 4; ++r) acc[r] = _mm512_fmadd_ps(load16(rows + r * I + i), xv, acc[r]);
+    }
+    for (int r = 0; r < 4; ++r) out[block * 4 + r] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+}  // namespace
+
+int main() {
+  // room past the end: the last rows' prefetches ask for addresses beyond the weight
+  std::vector<uint16_t> w((O + 64) * I, 0x3f80);
+  std::vector<float> x(I, 1.f), out(O), sums(256);
+  std::vector<std::pair<std::string, std::function<void()>>> variants = {
+      {"one stream a thread, summed", [&] {
+#pragma omp parallel
+         {
+           const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
+           const int64_t n = O * I / 32, b = n * tid / threads * 32, e = n * (tid + 1) / threads * 32;
+           __m512 a = _mm512_setzero_ps(), c = _mm512_setzero_ps();
+           for (int64_t i = b; i < e; i += 32) {
+             a = _mm512_add_ps(a, load16(&w[i]));
+             c = _mm512_add_ps(c, load16(&w[i + 16]));
+           }
+           sums[tid] = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
+         }
+       }},
+  };
+  for (int64_t ahead : {0, 4, 8, 16, 32}) {
+    std::string name = ahead ? "4 rows a pass, prefetch " + std::to_string(ahead) + " rows on" : "4 rows a pass";
+    variants.emplace_back(name, [&, ahead] {
+#pragma omp parallel
+      product(w.data(), x.data(), out.data(), ahead);
+    });
+  }
+  std::vector<std::vector<double>> ms(variants.size());
+  for (int round = 0; round < 12; ++round) {
+    for (size_t k = 0; k < variants.size(); ++k) {
+      const size_t v = round % 2 ? variants.size() - 1 - k : k;
+      const auto t = std::chrono::steady_clock::now();
+      variants[v].second();
+      ms[v].push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count());
+    }
+  }
+  std::printf("a one-row product of a %.0f MB bf16 weight, %d threads, median of 12 rounds\n", O * I * 2 / 1e6,
+              omp_get_max_threads());
+  double plain = 0;
+  for (size_t v = 0; v < variants.size(); ++v) {
+    std::sort(ms[v].begin(), ms[v].end());
+    const double m = ms[v][ms[v].size() / 2];
+    if (variants[v].first == "4 rows a pass") plain = m;
+    std::printf("%-36s %7.2f ms  %5.1f GB/s\n", variants[v].first.c_str(), m, O * I * 2 / m / 1e6);
+  }
+  std::printf("prefetch 4 rows on / none: %.2fx\n", plain / ms[2][ms[2].size() / 2]);
+}
