@@ -165,8 +165,12 @@ def test_a_decode_step_in_one_kernel_call_is_the_python_forward_and_a_refusal_ha
             refused = step(True)
     finally:
         decoder.attention.step_fn = real
-    # the Python forward again: at 8 rows in fp32 its own products (oneDNN's) differ run to run in the last bit
-    # (1.2e-7 seen), so within 1e-6 of the largest logit, not bitwise
-    assert float((refused - python).abs().max() / python.abs().max()) <= 1e-6 and decoder.step is None
+    # the Python forward again, bitwise; but at 8 rows in fp32 its own products (oneDNN's) differ run to run in
+    # the last bit (1.2e-7 seen), so there within 1e-6 of the largest logit
+    if dtype == torch.float32 and n == 8:
+        assert float((refused - python).abs().max() / python.abs().max()) <= 1e-6
+    else:
+        assert torch.equal(refused, python)
+    assert decoder.step is None
     assert [r.message for r in caplog.records] == [
         "the decode step kernel refused a step: serving its steps with the Python forward"]
