@@ -202,3 +202,50 @@ class Server:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(10)
+
+
+# --- what a served language model is doing, read off its /metrics ---------------------------------------
+
+
+def metric(c: httpx.Client, name: str) -> float:
+    """One unlabelled series of the server's /metrics."""
+    line = next(x for x in c.get("/metrics").text.splitlines() if x.startswith(name + " "))
+    return float(line.split()[-1])
+
+
+def generated(c: httpx.Client) -> float:
+    """Tokens the server has generated so far, counted when each sequence ends (however it ends)."""
+    return metric(c, "gpuwise_generation_tokens_total")
+
+
+def freed(c: httpx.Client, why: str, seconds: float = 5) -> None:
+    """Wait until no sequence runs. The bound is for a hang, not a speed: a dropped sequence is freed at the
+    engine's next step, milliseconds on any host this runs on."""
+    deadline = time.time() + seconds
+    while metric(c, "gpuwise_num_requests_running"):
+        assert time.time() < deadline, why
+        time.sleep(0.02)
+
+
+def give_up(c: httpx.Client, path: str, body: dict, headers: dict | None = None) -> None:
+    """A client that gives up on a whole (non-streaming) answer, whatever the speed of the host: the request
+    goes out on a connection of its own, which is closed as soon as the server runs it (its running count
+    rises from 0; call `freed` first). A client timeout would encode a speed instead: a fast engine answers
+    400 tokens of the tiny test models within 0.2 s (#47). What stays is a race of one /metrics round trip
+    (~2 ms) against the whole answer (hundreds of steps); an answer that comes back first is said so."""
+    import json
+    import select
+
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    head += f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    assert c.base_url.port is not None
+    with socket.create_connection(("127.0.0.1", c.base_url.port), timeout=30) as s:
+        s.sendall(head.encode() + data)
+        deadline = time.time() + 30
+        while not metric(c, "gpuwise_num_requests_running"):
+            answered, _, _ = select.select([s], [], [], 0)
+            assert not answered, f"the answer came back before the client could give up: {s.recv(300)!r}"
+            assert time.time() < deadline, "the server never ran the request"
+    # closed: the server sees the client leave

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 import torch
-from serving import Engine, Server, tiny_chat_model, trained
+from serving import Engine, Server, freed, generated, give_up, tiny_chat_model, trained
 
 from gpuwise.serve.packed import packing
 
@@ -122,18 +122,6 @@ def test_the_open_webui_call_pattern(run, engine):
         assert chunks[-1]["usage"]["total_tokens"] > 0
 
 
-def generated(c) -> float:
-    line = next(x for x in c.get("/metrics").text.splitlines() if x.startswith("gpuwise_generation_tokens_total"))
-    return float(line.split()[-1])
-
-
-def freed(c, why: str) -> None:
-    deadline = time.time() + 5
-    while "gpuwise_num_requests_running 0.0" not in c.get("/metrics").text:
-        assert time.time() < deadline, why
-        time.sleep(0.02)
-
-
 def engine_freed(engine, why: str) -> None:
     """The engine's own count of running requests falls to 0 (vLLM's metrics, llama.cpp's /slots): the dropped
     stream was aborted inside it."""
@@ -164,8 +152,7 @@ def test_a_disconnect_mid_stream_frees_the_slot_and_a_full_queue_is_a_429(run, e
         # A client that gives up on a whole (non-streaming) answer frees its slot too, and its generation
         # stops there: it does not run on to max_tokens for nobody.
         before = generated(c)
-        with pytest.raises(httpx.ReadTimeout):
-            c.post("/v1/completions", json=ask | {"stream": False}, timeout=0.3)
+        give_up(c, "/v1/completions", ask | {"stream": False})
         freed(c, "the abandoned request still holds its slot")
         engine_freed(engine, "the abandoned request")
         assert generated(c) - before < ask["max_tokens"]
@@ -175,7 +162,9 @@ def test_a_disconnect_mid_stream_frees_the_slot_and_a_full_queue_is_a_429(run, e
             calls = [oa.completions.create(model=MODEL, prompt="x", max_tokens=300, temperature=0) for _ in range(4)]
             return await asyncio.gather(*calls, return_exceptions=True)
 
-        results = asyncio.run(crowd())  # one runs, one waits, the others are turned away
+        # one runs, one waits, the others are turned away: four requests sent at once, against the 300 steps
+        # the first one runs, whatever the host's speed
+        results = asyncio.run(crowd())
         refused = [r for r in results if isinstance(r, openai.RateLimitError)]
         assert len(refused) >= 1 and refused[0].response.headers["retry-after"] == "1"
         assert all(not isinstance(r, Exception) or isinstance(r, openai.RateLimitError) for r in results), results
@@ -402,4 +391,10 @@ def test_sampling_edges_and_huge_bodies_get_a_4xx_and_stall_no_one(run, engine):
                 gaps.append(time.perf_counter() - t0)
             sender.join()
             assert answer["r"].status_code == 422 and "at most 4,096" in answer["r"].json()["error"]["message"]
-            assert max(gaps) < 1.5, gaps  # FastAPI's parse and template on the event loop: 4.7 s
+            # The parse (off the event loop) holds the GIL while json reads the body, so /health may wait that
+            # long, no more: bounded by 4 parses of the same body, timed here. Before, FastAPI's parse and
+            # template ran on the event loop: one 4.7 s pause, some 35 parses.
+            t0 = time.perf_counter()
+            json.loads(escaped)
+            parse = time.perf_counter() - t0
+            assert max(gaps) < 4 * parse, (gaps, parse)

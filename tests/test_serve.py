@@ -8,8 +8,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from serving import Server, trained
+from serving import Server, freed, generated, give_up, serve_cli, trained
 
 from gpuwise.cli import main
 
@@ -180,31 +178,23 @@ def test_serve_refusals_are_one_line(capsys, monkeypatch, runs, argv, needle):
     assert needle in err and err.count("\n") == 1
 
 
-def test_sigterm_lets_the_request_in_flight_finish(runs):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "gpuwise", "serve", str(runs["product-lm"]), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+def test_sigterm_lets_the_request_in_flight_finish(runs, tmp_path):
+    """SIGTERM while an answer streams: the answer ends whole, then the server exits. The signal goes once the
+    first token is out, so the request is in flight whatever the host's speed (a sleep before it was a guess:
+    too short on a slow host, the whole answer on a fast one)."""
+    proc, port, _ = serve_cli([str(runs["product-lm"])], tmp_path / "serve.log", 60)
     try:
-        deadline = time.time() + 60
-        while True:
-            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "no start"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                time.sleep(0.1)
-        result = {}
-        ask = {"prompt": "This coffee", "max_tokens": 200, "temperature": 0}
-        post = lambda: result.update(r=httpx.post(url + "/v1/generate", json=ask, timeout=60))  # noqa: E731
-        worker = threading.Thread(target=post)
-        worker.start()
-        time.sleep(0.5)  # the request is in flight
-        proc.send_signal(signal.SIGTERM)
-        worker.join(60)
-        assert result["r"].status_code == 200 and result["r"].json()["tokens"] > 0
+        ask = {"model": "product-lm", "prompt": "This coffee", "max_tokens": 200, "temperature": 0, "stream": True,
+               "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=ask, timeout=60) as s:
+            lines = s.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]", (first, rest[-3:])
+        usage = json.loads(rest[-2][6:])["usage"]
+        finish = [json.loads(line[6:])["choices"] for line in [first, *rest[:-2]]]
+        assert usage["completion_tokens"] == 200 and finish[-1][0]["finish_reason"] == "length", (usage, finish[-1])
         assert proc.wait(30) == -signal.SIGTERM  # uvicorn re-raises the signal once drained: the usual exit
     finally:
         if proc.poll() is None:
@@ -263,7 +253,9 @@ def test_stop_strings_are_capped_in_number_and_length(runs):
         t0 = time.perf_counter()
         r = c.post("/v1/generate", json={"prompt": "x", "stop": ["a" * 100_000]})
         assert r.status_code == 422 and "128" in r.json()["detail"]
-        assert time.perf_counter() - t0 < 2  # refused before the model sees it
+        # refused at validation: a parse of 100 kB and a length check, about 1 ms here; 2 s holds on any host
+        # that runs this suite (a cap checked per token, after the model started, is what this guards against)
+        assert time.perf_counter() - t0 < 2
         assert c.post("/v1/generate", json={"prompt": "x", "stop": list("abcde")}).status_code == 422
         ok = c.post("/v1/generate", json={"prompt": "x", "max_tokens": 2, "stop": ["b" * 128, "c"]})
         assert ok.status_code == 200, ok.text
@@ -277,34 +269,48 @@ def _generation_seconds(c, tokens: int) -> float:
 
 
 def test_abandoned_streams_and_requests_stop_at_the_next_token(runs):
-    """8 streams dropped after their first event and 4 plain requests whose client gave up: had they run
-    to the end, the next request would wait for 12 full generations. Tolerance: it must take less than
-    4 (it takes about 1 when each stopped at its next token)."""
+    """8 streams dropped after their first event and 4 whole answers whose client gave up: each stops at the
+    engine's next step, so none generates its 400 tokens for nobody (counted on /metrics, whatever the host's
+    speed), and the next request does not wait behind them. Tolerance on that wait: less than 4 times a
+    request alone (it is about 1 when each stopped; 12 had they run to the end)."""
     with Server(runs["product-lm"], limits={"max_tokens": 512}) as c:
+        _generation_seconds(c, 2)  # the first call's warm-up stays out of `full`
         full = _generation_seconds(c, 400)
         ask = {"prompt": "This coffee", "max_tokens": 400, "temperature": 0, "stream": True}
-        for _ in range(8):
-            with c.stream("POST", "/v1/generate", json=ask) as s:
-                next(line for line in s.iter_lines() if line.startswith("data: "))
-        for _ in range(4):
-            with pytest.raises(httpx.ReadTimeout):
-                c.post("/v1/generate", json=ask | {"stream": False}, timeout=0.2)
+        for n in range(12):
+            before = generated(c)
+            if n < 8:
+                with c.stream("POST", "/v1/generate", json=ask) as s:
+                    next(line for line in s.iter_lines() if line.startswith("data: "))
+            else:
+                give_up(c, "/v1/generate", ask | {"stream": False})
+            freed(c, f"abandoned request {n} still holds its slot")
+            assert generated(c) - before < ask["max_tokens"], n
         after = _generation_seconds(c, 400)
         assert after < 4 * full, (after, full)
 
 
 def test_a_timed_out_generation_frees_the_model(runs):
-    with Server(runs["product-lm"], limits={"max_tokens": 500, "timeout_s": 0.2}) as c:
-        r = c.post("/v1/generate", json={"prompt": "x", "max_tokens": 500, "temperature": 0})
-        assert r.status_code == 504 and "timeout" in r.json()["detail"]
-        # greedy: this model writes no end-of-text in 500 tokens, so only the deadline can end it
-        stream = {"prompt": "This coffee", "max_tokens": 500, "temperature": 0, "stream": True}
-        with c.stream("POST", "/v1/generate", json=stream) as s:
+    """The request timeout ends a generation at the engine's next step, mid-answer: it is a quarter of what
+    the same 500 tokens took on this host just before (after a warm-up), so it falls in the middle on a fast
+    host or a slow one. Freed means nothing runs after it and no more than it generated was counted."""
+    ask = {"prompt": "This coffee", "max_tokens": 500, "temperature": 0}
+    with Server(runs["product-lm"], limits={"max_tokens": 500}) as c:
+        _generation_seconds(c, 2)
+        full = _generation_seconds(c, 500)  # greedy: this model writes no end-of-text in 500 tokens
+    with Server(runs["product-lm"], limits={"max_tokens": 500, "timeout_s": full / 4}) as c:
+        before = generated(c)
+        r = c.post("/v1/generate", json=ask)
+        assert r.status_code == 504 and "timeout" in r.json()["detail"], (r.text, full)
+        freed(c, "the timed-out request still holds its slot")
+        assert generated(c) - before < ask["max_tokens"]
+        before = generated(c)
+        with c.stream("POST", "/v1/generate", json=ask | {"stream": True}) as s:
             events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
-        assert "timeout" in events[-1]["error"]
-        t0 = time.perf_counter()
+        assert "timeout" in events[-1]["error"], (events[-1], full)
+        freed(c, "the timed-out stream still holds its slot")
+        assert generated(c) - before < ask["max_tokens"]
         assert c.post("/v1/generate", json={"prompt": "x", "max_tokens": 2}).status_code == 200
-        assert time.perf_counter() - t0 < 0.5  # nothing left running: the model was free
 
 
 @functools.cache
@@ -320,22 +326,26 @@ def test_images_decode_off_the_event_loop_within_a_pixel_budget(runs):
         many = [("file", (f"{n}.png", big_png(4096), "image/png")) for n in range(64)]
         t0 = time.perf_counter()
         r = c.post("/v1/predict", files=many)
+        refused = time.perf_counter() - t0
         assert r.status_code == 413 and "pixels in this request" in r.json()["detail"], r.text
-        assert time.perf_counter() - t0 < 3  # from the headers: nothing was decoded
         four = [("file", (f"{n}.png", big_png(4096), "image/png")) for n in range(4)]
         result = {}
         worker = threading.Thread(target=lambda: result.update(r=c.post("/v1/predict", files=four)))
+        t0 = time.perf_counter()
         worker.start()
         pauses = []
         while worker.is_alive():
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             assert c.get("/health").status_code == 200
-            pauses.append(time.perf_counter() - t0)
+            pauses.append(time.perf_counter() - t1)
         worker.join()
+        decoded = time.perf_counter() - t0
         assert result["r"].status_code == 200, result["r"].text
-        # Decoding four 4096² RGBA images takes seconds here; /health answered all along (tolerance 0.5 s
-        # for a shared 2-core machine; it took the whole decode, 10 s for 64 images, before the fix).
-        assert len(pauses) >= 2 and max(pauses) < 0.5, pauses
+        # Relative to the decode of four 4096² RGBA images, timed here (seconds on 2 cores): the 413 came from
+        # the headers (decoding 64 would take 16 times that), and /health answered all along (before the fix
+        # one pause was the whole decode). Tolerance: a pause under a quarter of it.
+        assert refused < decoded, (refused, decoded)
+        assert len(pauses) >= 2 and max(pauses) < decoded / 4, (pauses, decoded)
 
 
 def test_slow_or_silent_clients_are_cut_off(runs):
@@ -356,11 +366,20 @@ def test_slow_or_silent_clients_are_cut_off(runs):
         assert c.get("/health").status_code == 200
 
 
+def open_connections(server: Server, n: int) -> None:
+    """Wait until uvicorn holds `n` connections: what its bound counts (a sleep would guess the host's speed)."""
+    deadline = time.time() + 10
+    while len(server.server.server_state.connections) != n:
+        assert time.time() < deadline, f"{len(server.server.server_state.connections)} connections open, not {n}"
+        time.sleep(0.01)
+
+
 def test_connections_beyond_the_bound_get_a_503(runs):
-    with Server(runs["recommender"], limits={"max_connections": 3, "read_timeout_s": 30}) as c:
+    server = Server(runs["recommender"], limits={"max_connections": 3, "read_timeout_s": 30})
+    with server as c:
         idle = [socket.create_connection(("127.0.0.1", c.base_url.port)) for _ in range(3)]
         try:
-            time.sleep(0.2)
+            open_connections(server, 3)
             r = httpx.get(str(c.base_url) + "/health")
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             error = r.json()["error"]  # OpenAI's shape, as every other error, not uvicorn's plain text
@@ -368,7 +387,7 @@ def test_connections_beyond_the_bound_get_a_503(runs):
         finally:
             for s in idle:
                 s.close()
-        time.sleep(0.2)
+        open_connections(server, 0)
         assert httpx.get(str(c.base_url) + "/health").status_code == 200
 
 

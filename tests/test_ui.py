@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from serving import Server, trained
+from serving import Server, freed, generated, trained
 
 from gpuwise.cli import main
 from gpuwise.ui.app import create_app
@@ -214,12 +214,7 @@ def test_a_chat_the_page_stops_frees_the_endpoints_slot(launched, endpoints):
     """The page's Stop (or a closed tab) drops the forwarded stream; serve sees the disconnect and stops
     generating for nobody, as it does for a client of its own."""
     direct = endpoints[1][2]
-
-    def generated() -> float:
-        lines = direct.get("/metrics").text.splitlines()
-        return float(next(x for x in lines if x.startswith("gpuwise_generation_tokens_total")).split()[-1])
-
-    before = generated()
+    before = generated(direct)
     ask = {"model": "product-lm", "messages": [{"role": "user", "content": "my dog"}], "max_tokens": 400,
            "temperature": 0, "stream": True}
     url, token = launched
@@ -228,11 +223,8 @@ def test_a_chat_the_page_stops_frees_the_endpoints_slot(launched, endpoints):
     with httpx.stream("POST", chat, json=ask, timeout=30, headers={"Authorization": f"Bearer {token}"}) as s:
         assert s.status_code == 200, s.read()
         next(line for line in s.iter_lines() if line.startswith("data: "))
-    deadline = time.time() + 5
-    while "gpuwise_num_requests_running 0.0" not in direct.get("/metrics").text:
-        assert time.time() < deadline, "the stopped chat still holds its slot"
-        time.sleep(0.02)
-    assert generated() - before < ask["max_tokens"]
+    freed(direct, "the stopped chat still holds its slot")
+    assert generated(direct) - before < ask["max_tokens"]
 
 
 # --- in a real browser ----------------------------------------------------------------------------------
@@ -252,11 +244,13 @@ def launch_ui(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, st
     printed = proc.stdout.readline()  # "gpuwise ui on http://127.0.0.1:PORT/[?token=...] (Ctrl-C stops it)"
     assert f"http://127.0.0.1:{port}/" in printed, printed + proc.stdout.read() if proc.poll() is not None else printed
     token = printed.split("?token=")[1].split()[0] if "?token=" in printed else None
-    for _ in range(200):
+    deadline = time.time() + 60  # for a hang: the app is up in a second or two here
+    while True:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
             break
         except OSError:
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() else "no start"
             time.sleep(0.1)
     return proc, f"http://127.0.0.1:{port}", token
 
