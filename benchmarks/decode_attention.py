@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gpuwise.serve import attention
+from gpuwise.serve.engines.gpuwise import attention
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 

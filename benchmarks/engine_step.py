@@ -31,7 +31,7 @@ import torch
 
 def engine_step(engine, prompt: list[int], batch: int, steps: int, adapter: str | None = None) -> list[float]:
     """Per-step seconds of `steps` decode steps of `batch` copies of `prompt`, after a prefill and one step."""
-    from gpuwise.serve.engine import Params, Sequence
+    from gpuwise.serve.engines.base import Params, Sequence
 
     params = Params(max_tokens=steps + 8, temperature=0.0)
     seqs = [
@@ -74,10 +74,10 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from gpuwise.serve import attention
-    from gpuwise.serve.decoder import fused_decoder
-    from gpuwise.serve.engine import Engine
-    from gpuwise.serve.packed import pack_linears, packing
+    from gpuwise.serve.engines.gpuwise import attention
+    from gpuwise.serve.engines.gpuwise.decoder import fused_decoder
+    from gpuwise.serve.engines.gpuwise.engine import Engine
+    from gpuwise.serve.engines.gpuwise.packed import pack_linears, packing
     from gpuwise.workloads.pretrained import resolve_base
 
     hf_logging.set_verbosity_error()

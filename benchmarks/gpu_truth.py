@@ -86,7 +86,7 @@ def steps(out: Path, cuda: bool) -> list[Step]:
         plan.append(Step(f"train {name}", argv, 150, minimum=30))
     # vLLM beside gpuwise's engine where the machine has it (the GPU machine reaches no package index: it
     # must be in its image, or named by GPUWISE_VLLM_PYTHON)
-    from gpuwise.serve.vllm import find_vllm
+    from gpuwise.serve.engines.vllm import find_vllm
 
     vllm = find_vllm(None) if cuda else None
     servers = ["--servers", "gpuwise,gpuwise-vllm,vllm", "--vllm-python", vllm[0]] if vllm else ["--servers", "gpuwise"]

@@ -84,7 +84,7 @@ def llama_cpp_alone(model_dir: str, dtype: str, port: int, shipped: bool = False
     import torch
 
     from gpuwise.plan.engines import LlamaCppArgs
-    from gpuwise.serve.llamacpp import find_llama_server, gguf_model
+    from gpuwise.serve.engines.llamacpp import find_llama_server, gguf_model
 
     found = find_llama_server(None)
     if found is None:

@@ -170,10 +170,10 @@ class Server:
         limits = Limits(**settings.pop("limits", {}))
         dtype = settings.pop("dtype", "auto")  # language models: as `gpuwise serve --dtype`
         if engine is not None:  # servers started once (Engine above), behind this server's own limits
-            from gpuwise.serve.llm import LLM
+            from gpuwise.serve.llm.core import LLM
 
             ends = [(backend.with_limits(limits), names) for backend, names in engine.backends]
-            self.served = LLM.over(ends, limits, ends[0][0].precision, "cpu", f"engine: {engine.name} (the tests')")
+            self.served = LLM(ends, limits, ends[0][0].precision, "cpu", f"engine: {engine.name} (the tests')")
         elif isinstance(run, list):
             self.served = load_models(run, limits, dtype)
         elif is_run(Path(run)):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpuwise.serve import attention
+from gpuwise.serve.engines.gpuwise import attention
 
 needs_kernel = pytest.mark.skipif(
     not attention._avx512() or shutil.which("g++") is None, reason="the kernel needs AVX-512 and g++"
@@ -73,7 +73,7 @@ def test_the_kernel_refuses_what_it_does_not_take():
 def test_where_it_cannot_be_built_the_decoder_keeps_sdpa_and_says_why(monkeypatch, tmp_path):
     from test_decoder import tiny
 
-    from gpuwise.serve import decoder as fused
+    from gpuwise.serve.engines.gpuwise import decoder as fused
 
     monkeypatch.setenv("GPUWISE_CACHE", str(tmp_path))
     attention.load.cache_clear()

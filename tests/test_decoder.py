@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from gpuwise.serve import decoder as fused
-from gpuwise.serve.packed import MKL, ONEDNN, packing
+from gpuwise.serve.engines.gpuwise import decoder as fused
+from gpuwise.serve.engines.gpuwise.packed import MKL, ONEDNN, packing
 
 
 def tiny(kind: str, **extra):
@@ -41,7 +41,7 @@ def test_the_fused_forward_gives_transformers_logits(kind, dtype):
     assert decoder is not None, note
     assert "fused decoder" in note
     # the check at load, done again here on another prompt through the engine's own cache
-    from gpuwise.serve.engine import SlotCache, additive_mask
+    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
 
     n = ids.shape[1]
     pos = torch.arange(n).unsqueeze(0)
@@ -82,7 +82,7 @@ def test_a_fused_forward_that_disagrees_with_transformers_is_not_used(monkeypatc
 def test_lora_adapters_are_applied_row_by_row_as_peft_does(dtype):
     from peft import LoraConfig, get_peft_model
 
-    from gpuwise.serve.engine import SlotCache, additive_mask
+    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
 
     model = get_peft_model(tiny("llama"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), adapter_name="a")
     model.add_adapter("b", LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"]))
@@ -122,7 +122,7 @@ def test_a_decode_step_in_one_kernel_call_is_the_python_forward_and_a_refusal_ha
     that the threads' shares of each phase come out uneven."""
     import logging
 
-    from gpuwise.serve.engine import SlotCache, additive_mask
+    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
 
     model = tiny(kind).to(dtype)
     config = model.config

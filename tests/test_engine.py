@@ -9,7 +9,9 @@ import time
 import pytest
 import torch
 
-from gpuwise.serve.engine import Engine, Params, QueueFull, Sequence, ShuttingDown, SlotCache
+from gpuwise.serve.engines.base import Params, QueueFull, Sequence, ShuttingDown
+from gpuwise.serve.engines.gpuwise.engine import Engine
+from gpuwise.serve.engines.gpuwise.kvcache import SlotCache
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +82,9 @@ def test_greedy_equals_generate_alone_in_a_full_batch_and_when_joining_midway(ti
     """With a prefix cache every prompt after the first pass is found in it, all but its last token. Packed:
     the fused decoder's fp32 products packed as `gpuwise serve` packs them (serve/packed.py: oneDNN, or MKL
     where oneDNN is missing); its decode steps' attention by serve/attention.py's kernel where it builds."""
-    from gpuwise.serve.decoder import FusedDecoder
-    from gpuwise.serve.engine import EngineStats
-    from gpuwise.serve.packed import packing
+    from gpuwise.serve.engines.base import EngineStats
+    from gpuwise.serve.engines.gpuwise.decoder import FusedDecoder
+    from gpuwise.serve.engines.gpuwise.packed import packing
 
     if fused == "packed" and packing("cpu", torch.float32) is None:
         pytest.skip("this PyTorch build packs no fp32 product")
@@ -124,7 +126,7 @@ def test_greedy_equals_generate_alone_in_a_full_batch_and_when_joining_midway(ti
 
 
 def test_a_prompt_reuses_what_it_shares_with_an_earlier_one_and_answers_as_alone(tiny):
-    from gpuwise.serve.engine import EngineStats
+    from gpuwise.serve.engines.base import EngineStats
 
     model, tok, texts = tiny
     first = texts[3]
@@ -188,7 +190,7 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_serves_the_next(tiny
 
 
 def test_the_prefix_cache_keeps_adapters_apart_and_its_bound():
-    from gpuwise.serve.engine import PrefixCache
+    from gpuwise.serve.engines.gpuwise.kvcache import PrefixCache
 
     cache = PrefixCache(tokens=10)
     kv = torch.zeros(2, 6, 1, 4)
@@ -264,7 +266,7 @@ def test_the_cache_grows_and_keeps_what_it_held(tiny):
 
 
 def test_argmax_by_blocks_is_torch_argmax_ties_and_nans_included():
-    from gpuwise.serve.engine import argmax_rows
+    from gpuwise.serve.engines.gpuwise.engine import argmax_rows
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 1024, generator=g)
@@ -303,7 +305,7 @@ def test_chunked_prefill_answers_as_one_pass_whatever_the_order_rows_and_cancell
     """Prompts of 3 to 60 tokens prefilled 5 token-equivalents a pass, in 3 rows: completions in every row order
     (a short prompt behind a long one is copied down; with every row in use the two rows swap), a prefill
     cancelled mid-way, and prompts joining while others decode: each answer is transformers' greedy one."""
-    from gpuwise.serve.decoder import FusedDecoder
+    from gpuwise.serve.engines.gpuwise.decoder import FusedDecoder
 
     model, tok, texts = tiny
     words = " ".join(texts[:6]).split()
@@ -373,7 +375,7 @@ def test_a_long_prefill_lets_a_later_short_prompt_answer_first_and_its_timeout_h
 def test_chunks_follow_the_measured_decode_step_and_the_attention_crossover(tiny):
     from transformers import AutoConfig
 
-    from gpuwise.serve.engine import attention_crossover
+    from gpuwise.serve.engines.gpuwise.engine import attention_crossover
 
     model, tok, _ = tiny
     e = engine(model, tok)

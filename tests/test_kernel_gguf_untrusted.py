@@ -29,8 +29,8 @@ import torch
 from gpuwise.errors import GpuwiseError
 from gpuwise.plan import gguf as plan_gguf
 from gpuwise.plan.model import read_gguf_header
-from gpuwise.serve import attention
-from gpuwise.serve import decoder as fused
+from gpuwise.serve.engines.gpuwise import attention
+from gpuwise.serve.engines.gpuwise import decoder as fused
 
 needs_kernel = pytest.mark.skipif(
     not attention._avx512() or shutil.which("g++") is None or shutil.which("gcc") is None,
@@ -226,7 +226,7 @@ def test_a_cache_of_this_users_that_others_may_read_is_made_private_and_used(bui
 def greedy(decoder, model, prompt: list[int], steps: int) -> list[int]:
     """Greedy tokens through the fused decoder over the engine's cache: a prefill, then one-token decode steps
     (where the decode kernel is used), as the engine runs them."""
-    from gpuwise.serve.engine import SlotCache, additive_mask
+    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
 
     n, total = len(prompt), len(prompt) + steps
     cache = SlotCache(model.config, 1, torch.float32, "cpu", context=total, start=total)

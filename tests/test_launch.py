@@ -20,7 +20,8 @@ import yaml
 
 from gpuwise.cli import main
 from gpuwise.cli.launch import plan_command as plan_job
-from gpuwise.launch.engines import K8S_PRODUCT, RAY_NAME, SKY_NAME, Options, engines
+from gpuwise.launch.engines import K8S_PRODUCT, RAY_NAME, SKY_NAME, Options
+from gpuwise.launch.registry import engines
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES_VENV = ROOT / ".venv-engines"

@@ -1,5 +1,7 @@
 """Issue #10: the layers show in the imports. A module imports only its own layer or lower ones, in
 functions too (an import inside a function is still a dependency), and no two packages import each other.
+Issue #48: no two modules import each other either, through any chain, except under TYPE_CHECKING (a type
+named in an annotation is not a dependency at run time).
 
     errors, files, results  <-  hardware, runs  <-  plan  <-  workloads  <-  train, bench, serve, report, launch
         <-  views, ui, cli
@@ -51,6 +53,104 @@ def edges() -> set[tuple[str, str, str]]:
                 continue
             found |= {(part(module), part(t), f"{path.relative_to(SRC)}:{node.lineno}") for t in targets}
     return found
+
+
+def module_of(path: Path) -> str:
+    return ".".join(path.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+MODULES = {module_of(p): p for p in SRC.rglob("*.py")}
+
+
+def _owner(name: str) -> str | None:
+    """The module of this package a dotted name is or lies in (a module, or a name inside one)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _type_only(tree: ast.AST) -> set[int]:
+    nodes: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            nodes |= {id(n) for n in ast.walk(node)}
+    return nodes
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Which of this package's modules each module imports at run time: at its top or in a function, relative
+    imports resolved, a name imported from a module counted as that module; type-only imports left out."""
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        skip = _type_only(tree)
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+                targets = [_owner(f"{base}.{a.name}") or _owner(base) for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [_owner(a.name) for a in node.names]
+            else:
+                continue
+            graph[module] |= {t for t in targets if t and t != module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, edges = work[-1]
+            for w in edges:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    component = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        component.append(w)
+                        if w == v:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_no_import_circles_between_modules():
+    found = circles(module_imports())
+    assert not found, "modules that import each other, through some chain:\n" + "\n".join(map(", ".join, found))
+
+
+def test_the_circle_finder_finds_one():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
 
 
 def test_every_package_has_a_layer():

@@ -110,7 +110,7 @@ def test_the_auto_rule_reads_device_format_adapters_and_streams():
 def test_serve_auto_picks_llama_cpp_for_the_named_base_at_one_stream_only():
     """`gpuwise serve BASE` (`--engine auto`, as `choose_engine` reads it) with llama.cpp installed: llama.cpp
     at --max-seqs 1, gpuwise's engine at the default 32; a model given in bf16 is gpuwise's at one stream too."""
-    from gpuwise.serve.engine_client import choose_engine
+    from gpuwise.serve.engines.choose import choose_engine
 
     binary = str(llama_server())
     one = choose_engine("auto", [(BASE, BASE)], 1, "auto", llama_server=binary)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from serving import Engine, Server, freed, generated, give_up, tiny_chat_model, trained
 
-from gpuwise.serve.packed import packing
+from gpuwise.serve.engines.gpuwise.packed import packing
 
 MODEL = "product-lm"  # the run directory's name, which the server gives as the model id
 
@@ -242,7 +242,7 @@ def test_a_model_directory_is_served_with_its_chat_template_and_its_plan(model_d
     # the KV cache the engine allocates is what `gpuwise plan` counts: 2 x 2 layers x 1 KV head x 16 x 4 bytes
     # in fp32, 2 in bf16 (--dtype auto's choice on a CPU with AMX or AVX512-BF16)
     width = {"fp32": 4, "bf16": 2}[llm.precision]
-    assert llm.engine.cache.bytes_per_token() == llm.planned_kv_bytes_per_token() == 2 * 2 * 1 * 16 * width
+    assert llm.engine.cache.bytes_per_token() == llm.backends[0].serving.kv_bytes_per_token == 2 * 2 * 1 * 16 * width
     assert "budget" in llm.plan() and "KiB per token" in llm.plan()
     assert "prefix cache 4,096 prompt tokens" in llm.plan()
     # a Llama: the fused decoder serves it; on a CPU its products are packed, for oneDNN (for MKL in fp32 where
@@ -333,7 +333,7 @@ def test_two_adapters_of_one_base_share_it_and_answer_each_its_own(capsys, tmp_p
             import threading
             import time as clock
 
-            from gpuwise.serve.engine import Params, Sequence
+            from gpuwise.serve.engines.base import Params, Sequence
 
             done = {n: threading.Event() for n, _ in llm_models}
             seqs = {}

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpuwise.serve.packed import (
+from gpuwise.serve.engines.gpuwise.packed import (
     MKL,
     MKL_MIN_ROWS,
     ONEDNN,
@@ -139,7 +139,7 @@ def test_nothing_is_packed_where_no_library_packs_it():
 
 @onednn32
 def test_fp32_is_packed_for_onednn_where_it_can_and_for_mkl_where_only_mkl_is_there(monkeypatch):
-    from gpuwise.serve import packed
+    from gpuwise.serve.engines.gpuwise import packed
 
     assert packing("cpu", torch.float32) == ONEDNN
     monkeypatch.setattr(packed, "onednn_packs", lambda dtype: False)

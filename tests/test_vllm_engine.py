@@ -207,8 +207,8 @@ def test_the_vllm_plan_of_lora_runs_routes_each_model_and_vllm_takes_its_argumen
     from transformers import AutoConfig, AutoTokenizer
 
     from gpuwise.errors import GpuwiseError
+    from gpuwise.serve.engines.vllm import ZERO_ADAPTER, VLLMBackend
     from gpuwise.serve.models import model_groups
-    from gpuwise.serve.vllm import ZERO_ADAPTER, VLLMBackend
     from gpuwise.workloads.serving import Limits
 
     ((source, entries),) = model_groups(lora_runs).items()

@@ -68,10 +68,11 @@ def _local(target: str):
     import queue
     import time
 
-    from gpuwise.serve.engine import Params, Sequence
-    from gpuwise.serve.llm import LLM, chat_prompt
+    from gpuwise.serve.engines.base import Params, Sequence
+    from gpuwise.serve.llm.core import LLM
+    from gpuwise.serve.llm.decode import chat_prompt
+    from gpuwise.serve.llm.protocol import ChatMessage
     from gpuwise.serve.models import is_run, load_model, load_served
-    from gpuwise.serve.protocol import ChatMessage
     from gpuwise.workloads.serving import Limits
 
     limits = Limits(max_tokens=4096, timeout_s=3600)

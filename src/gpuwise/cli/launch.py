@@ -147,8 +147,9 @@ def launch(
 ):
     """Write a planned training job as an engine runs it (an sbatch script, a Ray job, a SkyPilot task,
     Kubernetes manifests), with the plan's figures beside it; --submit hands it to the engine."""
-    from gpuwise.launch.engines import Options, engines
+    from gpuwise.launch.engines import Options
     from gpuwise.launch.job import dollars
+    from gpuwise.launch.registry import engines
 
     if spot and not managed:
         raise GpuwiseError("--spot needs --managed: an unmanaged spot cluster is not recovered after a preemption")

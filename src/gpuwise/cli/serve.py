@@ -58,13 +58,6 @@ def _check_port_free(host: str, port: int) -> None:
             raise GpuwiseError(f"cannot listen on {host}:{port} ({e.strerror})") from None
 
 
-def _is_lm_run(path: Path) -> bool:
-    """Whether a finished run is a language model's (served behind the OpenAI API, on either engine)."""
-    from gpuwise.train.records import open_finished
-
-    return open_finished(path).workload_def().inputs == "prompts"
-
-
 def serve(
     run_dir: Annotated[
         Path | None,
@@ -191,36 +184,20 @@ def serve(
     # PASSIVE against libgomp's default: 32 streams 1.16-1.28x, one stream level; docs/serving.md "One stream").
     # Set OMP_WAIT_POLICY to override.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import uvicorn
+    import uvicorn  # here, not at the top: `gpuwise --help` and the other commands stay light
 
     from gpuwise.serve.app import Settings, create_app, server_config
-    from gpuwise.serve.engine_client import Chosen, choose_engine
+    from gpuwise.serve.engines.choose import choose_engine
     from gpuwise.serve.hosts import allowed_hosts
-    from gpuwise.serve.llm import LLM
-    from gpuwise.serve.models import (
-        Limits,
-        is_model,
-        load_llamacpp,
-        load_model,
-        load_models,
-        load_served,
-        load_vllm,
-        parse_models,
-    )
+    from gpuwise.serve.llm.core import LLM
+    from gpuwise.serve.models import Limits, Target, load
 
-    floats = (
-        ("--timeout", timeout),
-        ("--read-timeout", read_timeout),
-        ("--max-body-mb", max_body_mb),
-        ("--max-wait-ms", max_wait_ms),
-        ("--grace", grace),
-        ("--vllm-timeout", vllm_timeout),
-    )
-    for flag, value in floats:
+    # parse: every flag checked before anything loads
+    numbers = {"--timeout": timeout, "--read-timeout": read_timeout, "--max-body-mb": max_body_mb,
+               "--max-wait-ms": max_wait_ms, "--grace": grace, "--vllm-timeout": vllm_timeout}  # fmt: skip
+    for flag, value in numbers.items():
         if math.isnan(value):  # click's range check lets nan through (every comparison with it is false)
             raise GpuwiseError(f"{flag} must be a number, not nan")
-    if dtype not in ("auto", "fp32", "bf16", "fp16", "q8_0"):
-        raise GpuwiseError(f"--dtype {dtype}: choose auto, fp32, bf16, fp16 or q8_0 (llama.cpp)")
     if runtime not in ("torch", "onnx"):
         raise GpuwiseError(f"--runtime {runtime}: choose torch or onnx")
     check_key(host, api_key, "the model")
@@ -238,62 +215,32 @@ def serve(
         prefix_cache_tokens=prefix_cache,
         max_model_len=max_model_len,
     )
-    onnx_refused = "--runtime onnx applies to image and ranking runs; a language model runs on torch"
-    if run_dir is None and not model:
-        raise GpuwiseError("give a run or a model to serve (or --model NAME=PATH, repeatable)")
-    language = bool(model) or is_model(str(run_dir)) or _is_lm_run(Path(str(run_dir)))
-    if language and runtime != "torch":
-        raise GpuwiseError(onnx_refused)
-    if not language and engine in ("vllm", "llama.cpp"):
-        raise GpuwiseError(f"--engine {engine} serves language models; {run_dir} is not one")
-    refs = parse_models(([str(run_dir)] if run_dir is not None else []) + list(model or [])) if language else []
-    chosen = (
-        choose_engine(engine, refs, max_seqs, dtype, vllm_python, llama_server) if language else Chosen("gpuwise", "")
-    )
-    if dtype == "q8_0" and chosen.engine != "llama.cpp":
-        raise GpuwiseError(f"--dtype q8_0 is llama.cpp's (--engine llama.cpp); {chosen.engine} serves fp32, bf16, fp16")
-    why = chosen.why
-    if chosen.engine == "vllm":
-        assert chosen.vllm_python is not None
-        served = load_vllm(refs, limits, dtype, chosen.vllm_python, vllm_timeout, why)
-    elif chosen.engine == "llama.cpp":
-        assert chosen.llama_server is not None
-        served = load_llamacpp(refs, limits, dtype, chosen.llama_server, vllm_timeout, why)
-    elif model:
-        specs = parse_models(([str(run_dir)] if run_dir is not None else []) + list(model))
-        served = load_models(specs, limits, dtype)
-    elif run_dir is not None and not is_model(str(run_dir)):
-        served, _ = load_served(run_dir, runtime, limits, dtype)
-    else:
-        served = load_model(str(run_dir), limits, dtype=dtype)
-    if isinstance(served, LLM) and chosen.engine == "gpuwise":
-        served.engine_line = f"engine: gpuwise ({why})"
-    if run_dir is None:  # --model alone: /v1/info names the first model
-        assert isinstance(served, LLM)
-        run_dir = Path(served.names[0])
-    settings = Settings(
-        str(run_dir),
-        runtime,
-        max_batch,
-        max_wait_ms,
-        api_key,
-        limits,
-        list(cors_origin or []),
-        host=host,
-        allowed_hosts=list(allowed_host or []),
-    )
-    precision = served.precision if isinstance(served, LLM) else "fp32"  # image and ranking runs: fp32
-    asgi = create_app(served, settings, run_id=run_dir.name, precision=precision)
-    if isinstance(served, LLM):
-        console.print(
-            f"serving {served.model_name} on {served.device} at http://{host}:{port}/v1 (OpenAI API: model "
-            f"{' or '.join(map(repr, served.names))}) · docs at /docs\n{served.plan()}"
-        )
-    else:
-        console.print(
-            f"serving {run_dir} ({served.workload}, {runtime} on {served.device}) at http://{host}:{port}"
-            f" · docs at /docs · batches of up to {max_batch}, waiting up to {max_wait_ms:g} ms"
-        )
+    # plan and choose: what is served, on which engine (the serving plan is each backend's, printed below)
+    target = Target.of(str(run_dir) if run_dir is not None else None, model)
+    chosen = choose_engine(engine, list(target.refs), max_seqs, dtype, vllm_python, llama_server)
+    # start
+    served = load(target, chosen, runtime, limits, dtype, vllm_timeout)
+    name = str(run_dir) if run_dir is not None else target.refs[0][0]  # --model alone: /v1/info names the first
+    settings = Settings(name, runtime, max_batch, max_wait_ms, api_key, limits, list(cors_origin or []), host=host,
+                        allowed_hosts=list(allowed_host or []))  # fmt: skip
+    llm = served if isinstance(served, LLM) else None
+    asgi = create_app(served, settings, run_id=Path(name).name, precision=llm.precision if llm else "fp32")
+    # print
+    console.print(_banner(llm, served, name, runtime, host, port, max_batch, max_wait_ms))
     # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish (up to
     # --grace seconds), then runs the app's shutdown.
     uvicorn.Server(server_config(asgi, host, port, limits, grace)).run()
+
+
+def _banner(llm, served, name: str, runtime: str, host: str, port: int, max_batch: int, max_wait_ms: float) -> str:
+    """What `gpuwise serve` prints once the model is loaded: where, and the plan it serves by (a language model:
+    its engine, and the serving plan each backend reads; image and ranking runs: fp32, batched)."""
+    if llm is not None:
+        return (
+            f"serving {llm.model_name} on {llm.device} at http://{host}:{port}/v1 (OpenAI API: model "
+            f"{' or '.join(map(repr, llm.names))}) · docs at /docs\n{llm.plan()}"
+        )
+    return (
+        f"serving {name} ({served.workload}, {runtime} on {served.device}) at http://{host}:{port}"
+        f" · docs at /docs · batches of up to {max_batch}, waiting up to {max_wait_ms:g} ms"
+    )

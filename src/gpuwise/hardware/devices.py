@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 from gpuwise.errors import GpuwiseError
 from gpuwise.hardware.catalog import Accelerator, Catalog, match_device
-from gpuwise.hardware.cpu import CpuInfo, detect_cpu
+from gpuwise.hardware.cpu import CpuInfo, detect_cpu, meminfo
 
 
 @dataclass
@@ -67,6 +67,31 @@ def computes_bf16(device_type: str, index: int = 0) -> bool:
     if device_type == "cuda":
         return bf16_native(index)
     return device_type == "cpu" and detect_cpu().bf16_native
+
+
+def free_memory(device: str) -> int:
+    """Bytes free on `device` now: the GPU's free memory on CUDA, the system's MemAvailable on a CPU (8 GiB
+    where it cannot be read). What a server may take of it is the serving plan's (plan/serving.py)."""
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0])
+    return meminfo("MemAvailable") or 8 << 30
+
+
+def llm_device_dtype(dtype: str) -> tuple[str, str]:
+    """(device, dtype) a language model is served on: CUDA where there is one; `auto` is bf16 where the
+    hardware computes it, fp32 elsewhere (emulated bf16 is slower; benchmarks/engine_step.py,
+    docs/benchmarks.md)."""
+    device = serving_device()
+    return device, ("bf16" if computes_bf16(device) else "fp32") if dtype == "auto" else dtype
+
+
+def serving_device() -> str:
+    """Where a language model is served: CUDA where there is one, else the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def choose_engine(cuda: list[GpuInfo], mps: bool, cpu_bf16: bool = False) -> dict:

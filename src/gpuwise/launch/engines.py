@@ -166,12 +166,3 @@ def engine_name(table: dict[str, str], job_gpu: str, gpu_name: str, engine: str,
     if name is None:
         raise GpuwiseError(f"gpuwise cannot name {gpu_name} in {engine}'s terms: {hint}")
     return name
-
-
-def engines() -> dict[str, Engine]:
-    from gpuwise.launch.k8s import Kubernetes
-    from gpuwise.launch.rayjob import Ray
-    from gpuwise.launch.skypilot import SkyPilot
-    from gpuwise.launch.slurm import Slurm
-
-    return {e.name: e for e in (Slurm(), Ray(), SkyPilot(), Kubernetes())}

@@ -28,7 +28,7 @@ def summary_of(run_dir: str) -> TrainSummary | None:
 
 
 def status(record: LaunchRecord) -> dict[str, Any]:
-    from gpuwise.launch.engines import engines
+    from gpuwise.launch.registry import engines
 
     engine = engines().get(record.engine)
     try:

@@ -16,8 +16,9 @@ LLAMA_CPP_MAX_STREAMS = 1
 # vLLM's LoRA kernels are built for these ranks (vllm/config/lora.py: max_lora_rank's choices)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+VLLM_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # a weight's and a cached key's or value's bytes
 # vLLM's own default share of GPU memory for weights, activations and its KV cache; gpuwise's engine leaves the
-# same tenth free on CUDA (serve/llm.py free_bytes)
+# same tenth free on CUDA (plan/serving.py KV_SHARE)
 GPU_MEMORY_UTILIZATION = 0.9
 
 

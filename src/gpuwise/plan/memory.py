@@ -94,11 +94,17 @@ def activation_bytes(model: ModelSpec, req: PlanRequest, layout: Layout) -> floa
     return (kept + logits) / layout.tp
 
 
+def kv_bytes_per_token(layers: float, kv_heads: int, head_dim: int, value_bytes: float, tp: int = 1) -> float:
+    """The one KV formula: a token's keys and values, 2 x layers x KV heads x head dim values, on one GPU of `tp`
+    (heads are replicated when tp > KV heads). Every engine's cache and `gpuwise plan` count it so."""
+    return 2 * layers * math.ceil(kv_heads / tp) * head_dim * value_bytes
+
+
 def kv_cache_bytes(model: ModelSpec, req: PlanRequest, layout: Layout) -> float:
     if req.training or not model.causal:
         return 0.0
-    kv_heads_per_gpu = math.ceil(model.kv_heads / layout.tp)  # heads are replicated when tp > kv_heads
-    per_token = 2 * (model.layers / layout.pp) * kv_heads_per_gpu * model.head_dim * BYTES[req.precision]
+    per_token = kv_bytes_per_token(model.layers / layout.pp, model.kv_heads, model.head_dim, BYTES[req.precision],
+                                   layout.tp)  # fmt: skip
     return per_token * req.batch * (req.seq + req.generated)
 
 

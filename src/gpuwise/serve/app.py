@@ -25,7 +25,7 @@ from gpuwise.errors import GpuwiseError
 from gpuwise.results import TrainSummary
 from gpuwise.serve.batcher import DynamicBatcher, ServeMetrics
 from gpuwise.serve.hosts import WebPolicy, allowed_hosts
-from gpuwise.serve.protocol import error_body
+from gpuwise.serve.llm.protocol import error_body
 from gpuwise.workloads.serving import ClientError, Limits, ServeContext
 
 log = logging.getLogger("gpuwise.serve")

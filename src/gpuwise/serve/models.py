@@ -1,4 +1,5 @@
-"""What the server runs: a finished run's workload, loaded once as its `Served` object.
+"""What the server runs: a finished run's workload, loaded once as its `Served` object, or language models behind
+the OpenAI front on the engine `serve.engines.choose` picked (`load`, the one dispatch).
 
 Each workload says how it is served (`Workload.serve`: decode -> predict a batch -> encode, and its
 routes); `--runtime onnx` swaps a torch forward for onnxruntime's where the workload has an ONNX graph.
@@ -6,32 +7,83 @@ routes); `--runtime onnx` swaps a torch forward for onnxruntime's where the work
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwise.errors import GpuwiseError, loading_model
+from gpuwise.hardware.devices import llm_device_dtype
+from gpuwise.serve.engines.gpuwise.backend import WHY, gpuwise_backends
+from gpuwise.serve.llm.core import LLM
 from gpuwise.workloads.serving import CausalLM, Limits, Served
 
+if TYPE_CHECKING:
+    from gpuwise.serve.engines.choose import Chosen
 
-def load_served(run_dir: Path, runtime: str, limits: Limits, dtype: str = "auto") -> tuple[Served, object]:
-    from gpuwise.train.records import open_finished
+
+@dataclass(frozen=True)
+class Target:
+    """What `gpuwise serve` was given: a run or model (`ref`) and --model NAME=REF specs; `refs`, the language
+    models among them as [(name, ref)] (none for a trained run of another workload)."""
+
+    ref: str | None
+    specs: tuple[str, ...]
+    refs: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, ref: str | None, specs: list[str] | None) -> Target:
+        if ref is None and not specs:
+            raise GpuwiseError("give a run or a model to serve (or --model NAME=PATH, repeatable)")
+        language = bool(specs) or is_model(str(ref)) or _is_lm_run(Path(str(ref)))
+        refs = parse_models(([ref] if ref is not None else []) + list(specs or [])) if language else []
+        return cls(ref, tuple(specs or ()), tuple(refs))
+
+
+def load(target: Target, chosen: Chosen, runtime: str, limits: Limits, dtype: str, timeout_s: float) -> Served:
+    """The served object for `target` on the engine `chosen`: the one place a choice becomes a server."""
+    refs = list(target.refs)
+    if refs and runtime != "torch":
+        raise GpuwiseError("--runtime onnx applies to image and ranking runs; a language model runs on torch")
+    if chosen.engine == "vllm":
+        assert chosen.vllm_python is not None
+        return load_vllm(refs, limits, dtype, chosen.vllm_python, timeout_s, chosen.why)
+    if chosen.engine == "llama.cpp":
+        assert chosen.llama_server is not None
+        return load_llamacpp(refs, limits, dtype, chosen.llama_server, timeout_s, chosen.why)
+    if target.specs:
+        return load_models(refs, limits, dtype, chosen.why)
+    assert target.ref is not None
+    if is_model(target.ref):
+        return load_model(target.ref, limits, dtype=dtype, why=chosen.why)
+    return load_served(Path(target.ref), runtime, limits, dtype, chosen.why)[0]
+
+
+def gpuwise_llm(groups: list, limits: Limits, dtype: str, why: str, **about: str) -> LLM:
+    """(model, tokenizer, [(model id, adapter)]) groups behind the OpenAI front on gpuwise's own engine."""
+    device, dtype = llm_device_dtype(dtype)
+    backends = gpuwise_backends(groups, limits, dtype, device)
+    return LLM(backends, limits, dtype, device, f"engine: gpuwise ({why})", **about)
+
+
+def load_served(
+    run_dir: Path, runtime: str, limits: Limits, dtype: str = "auto", why: str = WHY
+) -> tuple[Served, object]:
+    from gpuwise.train.records import open_finished  # serve's start only, where a run is given
 
     cfg = open_finished(run_dir)
     with loading_model(run_dir):
         served = cfg.workload_def().serve(run_dir, cfg, runtime, limits)
         if isinstance(served, CausalLM):
-            from gpuwise.serve.llm import LLM
-
-            served = LLM.single(
-                served.model,
-                served.tok,
-                served.name,
-                limits,
-                workload=cfg.workload,
-                about=served.description,
-                dtype=dtype,
-            )
+            group = (served.model, served.tok, [(served.name, None)])
+            served = gpuwise_llm([group], limits, dtype, why, workload=cfg.workload, about=served.description)
         return served, cfg
+
+
+def _is_lm_run(path: Path) -> bool:
+    """Whether a finished run is a language model's (served behind the OpenAI API, on any engine)."""
+    from gpuwise.train.records import open_finished
+
+    return open_finished(path).workload_def().inputs == "prompts"
 
 
 def is_run(path: Path) -> bool:
@@ -77,10 +129,9 @@ def check_gguf(ref: str) -> None:
         read_gguf_header(path)
 
 
-def load_model(ref: str, limits: Limits, name: str | None = None, dtype: str = "auto"):
+def load_model(ref: str, limits: Limits, name: str | None = None, dtype: str = "auto", why: str = WHY) -> LLM:
     """A language model that is not a gpuwise run (a named base, a .gguf file, a model directory, a hub
-    id) behind the OpenAI API."""
-    from gpuwise.serve.llm import LLM
+    id) behind the OpenAI API, on gpuwise's engine."""
     from gpuwise.workloads.pretrained import quiet_transformers, resolve_base
 
     check_gguf(ref)
@@ -94,7 +145,7 @@ def load_model(ref: str, limits: Limits, name: str | None = None, dtype: str = "
     if tok.eos_token_id is None:
         raise GpuwiseError(f"serve {ref}: its tokenizer has no end-of-text token")
     about = source if source != ref else ""
-    return LLM.single(model, tok, name or model_id(ref), limits, workload="llm", about=about, dtype=dtype)
+    return gpuwise_llm([(model, tok, [(name or model_id(ref), None)])], limits, dtype, why, about=about)
 
 
 def model_groups(
@@ -131,12 +182,10 @@ def model_groups(
     return groups
 
 
-def load_models(specs: list[tuple[str, str]], limits: Limits, dtype: str = "auto"):
+def load_models(specs: list[tuple[str, str]], limits: Limits, dtype: str = "auto", why: str = WHY) -> LLM:
     """Several language models in one server (`--model NAME=REF`, repeatable) on gpuwise's engine: LoRA runs
     over the same base share one copy of it and one running batch, and a base named too is served from that
     same copy."""
-    from gpuwise.serve.llm import LLM
-
     groups = model_groups(specs)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -155,22 +204,20 @@ def load_models(specs: list[tuple[str, str]], limits: Limits, dtype: str = "auto
         if tok.eos_token_id is None:
             raise GpuwiseError(f"--model {source}: its tokenizer has no end-of-text token")
         built.append((model, tok, [(n, n if a is not None else None) for n, a in entries]))
-    return LLM(built, limits, dtype=dtype)
+    return gpuwise_llm(built, limits, dtype, why)
 
 
 def load_vllm(specs: list[tuple[str, str]], limits: Limits, dtype: str, python: str, timeout_s: float, why: str):
     """The same models served by vLLM (serve/vllm.py): one vLLM server per base, its LoRA runs as vLLM's LoRA
     modules. gpuwise loads only the tokenizer and the config: the weights are vLLM's to hold."""
-    from gpuwise.serve.llm import LLM, llm_device_dtype
-
     device, dtype = llm_device_dtype(dtype)
     backends = vllm_backends(specs, limits, dtype, device, python, timeout_s)
-    return LLM.over(backends, limits, dtype, device, f"engine: vllm ({why})")
+    return LLM(backends, limits, dtype, device, f"engine: vllm ({why})")
 
 
 def vllm_backends(specs: list[tuple[str, str]], limits: Limits, dtype: str, device: str, python: str, timeout_s: float):
     """[(VLLMBackend, [(model id, adapter)])]: one started vLLM server per base."""
-    from gpuwise.serve.vllm import VLLMBackend
+    from gpuwise.serve.engines.vllm import VLLMBackend
 
     def make(ref, source, tok, config, entries):
         return VLLMBackend(source, tok, config, entries, limits, dtype, device).start(python, timeout_s)
@@ -181,16 +228,13 @@ def vllm_backends(specs: list[tuple[str, str]], limits: Limits, dtype: str, devi
 def load_llamacpp(specs: list[tuple[str, str]], limits: Limits, dtype: str, binary: Path, timeout_s: float, why: str):
     """The same models served by llama.cpp (serve/llamacpp.py): one llama-server per base, a GGUF as it ships
     (or converted once), its LoRA runs as GGUF adapters applied per request."""
-    from gpuwise.serve.llm import LLM
-
     backends = llamacpp_backends(specs, limits, dtype, binary, timeout_s)
-    precision = backends[0][0].precision
-    return LLM.over(backends, limits, precision, "cpu", f"engine: llama.cpp ({why})")
+    return LLM(backends, limits, backends[0][0].precision, "cpu", f"engine: llama.cpp ({why})")
 
 
 def llamacpp_backends(specs: list[tuple[str, str]], limits: Limits, dtype: str, binary: Path, timeout_s: float):
     """[(LlamaCppBackend, [(model id, adapter)])]: one started llama-server per base."""
-    from gpuwise.serve.llamacpp import DTYPES, LlamaCppBackend
+    from gpuwise.serve.engines.llamacpp import DTYPES, LlamaCppBackend
 
     if dtype not in DTYPES:
         raise GpuwiseError(f"--dtype {dtype}: llama.cpp serves {', '.join(DTYPES)}")

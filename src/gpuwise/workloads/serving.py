@@ -153,7 +153,7 @@ class Served(Protocol):
 @dataclass
 class CausalLM:
     """What a language-model workload hands the server instead of a `Served`: the model and tokenizer,
-    served through the continuous-batching engine behind the OpenAI API (`gpuwise.serve.llm`)."""
+    served through the continuous-batching engine behind the OpenAI API (`gpuwise.serve.llm.core`)."""
 
     model: Any
     tok: Any

@@ -13,11 +13,11 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from gpuwise.serve import protocol as p
+from gpuwise.serve.llm import protocol as p
 from gpuwise.workloads.serving import ServeContext
 
 if TYPE_CHECKING:
-    from gpuwise.serve.llm import LLM
+    from gpuwise.serve.llm.core import LLM
 
 DONE = "data: [DONE]\n\n"
 
@@ -69,7 +69,7 @@ class Wire:
 
 class ChatWire(Wire):
     def parse(self, llm, body):
-        return llm._chat(body)
+        return llm.decode_chat(body)
 
     def whole(self, ask, text, end):
         choice = p.ChatChoice(message=p.AssistantMessage(content=text), finish_reason=end["finish"])
@@ -94,7 +94,7 @@ class ChatWire(Wire):
 
 class CompletionWire(Wire):
     def parse(self, llm, body):
-        return llm._completion(body)
+        return llm.decode_completion(body)
 
     def whole(self, ask, text, end):
         choice = p.CompletionChoice(text=text, finish_reason=end["finish"])
@@ -117,12 +117,10 @@ class GenerateWire(Wire):
     """gpuwise's own route, kept for the clients written against it before the OpenAI API."""
 
     def parse(self, llm, body):
-        return llm._generate(body)
+        return llm.decode_generate(body)
 
     def whole(self, ask, text, end):
-        from gpuwise.serve.llm import GenerateResponse
-
-        return GenerateResponse(text=text, tokens=end["completion_tokens"], finish_reason=end["finish"])
+        return p.GenerateResponse(text=text, tokens=end["completion_tokens"], finish_reason=end["finish"])
 
     def piece(self, head, text):
         return sse({"text": text})
@@ -143,16 +141,16 @@ class OpenAIServing:
     async def respond(self, wire: Wire, request: Request):
         llm = self.llm
         ask, target, ids, params = await run_in_threadpool(wire.parse, llm, await request.body())
-        stream = llm._submit(target, ids, params)
+        stream = llm.submit(target, ids, params)
         if not ask.stream:
-            text, end = await llm._whole(stream, request)
+            text, end = await llm.whole(stream, request)
             return wire.whole(ask, text, end)
         head = wire.head(ask)
 
         async def events():
             for event in wire.opening(head):
                 yield event
-            async for event in llm._events(stream, request):
+            async for event in llm.events(stream, request):
                 if "text" in event:
                     yield wire.piece(head, event["text"])
                 elif (failure := self._failure(wire, event)) is not None:
@@ -192,8 +190,6 @@ def body_of(kind: type[BaseModel]) -> dict:
 
 def add_routes(llm: LLM, ctx: ServeContext) -> None:
     """The router: each route is one line over `OpenAIServing`."""
-    from gpuwise.serve.llm import GenerateRequest, GenerateResponse
-
     app, serving = ctx.app, OpenAIServing(llm, ctx)
     chat, completion, generate = ChatWire(), CompletionWire(), GenerateWire()
 
@@ -203,7 +199,7 @@ def add_routes(llm: LLM, ctx: ServeContext) -> None:
 
     @app.get("/v1/models/{name:path}", response_model=p.ModelCard)
     async def model(name: str) -> p.ModelCard:
-        llm._model(name)
+        llm.model(name)
         return p.ModelCard(id=name, created=llm.created)
 
     @app.post("/v1/chat/completions", response_model=p.ChatCompletion, openapi_extra=body_of(p.ChatCompletionRequest))
@@ -214,6 +210,6 @@ def add_routes(llm: LLM, ctx: ServeContext) -> None:
     async def completions(request: Request):
         return await serving.respond(completion, request)
 
-    @app.post("/v1/generate", response_model=GenerateResponse, openapi_extra=body_of(GenerateRequest))
+    @app.post("/v1/generate", response_model=p.GenerateResponse, openapi_extra=body_of(p.GenerateRequest))
     async def generate_text(request: Request):
         return await serving.respond(generate, request)

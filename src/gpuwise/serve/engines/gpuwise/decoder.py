@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpuwise.serve import attention
-from gpuwise.serve.attention import GEMV_ROWS, GEMV_ROWS_ALONE
-from gpuwise.serve.packed import ONEDNN, Packed, PackedLinear
+from gpuwise.serve.engines.gpuwise import attention
+from gpuwise.serve.engines.gpuwise.attention import GEMV_ROWS, GEMV_ROWS_ALONE
+from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
+from gpuwise.serve.engines.gpuwise.packed import ONEDNN, Packed, PackedLinear
 
 log = logging.getLogger("gpuwise.serve")
 
@@ -366,8 +367,6 @@ class FusedDecoder:
         """How far this forward is from transformers' own (peft's, with adapters) on one prompt of `length`
         tokens, a prefill of all but the last then one decode step, for the base and every adapter: the
         largest |difference| of the logits over the largest |logit|."""
-        from gpuwise.serve.engine import SlotCache, additive_mask
-
         device, dtype = self.embed.device, self.embed.dtype
         ids = (torch.arange(length, device=device) * 7919 + 11).remainder(self.embed.shape[0]).unsqueeze(0)
         pos = torch.arange(length, device=device).unsqueeze(0)

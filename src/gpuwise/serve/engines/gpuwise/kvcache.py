@@ -8,16 +8,8 @@ from collections import OrderedDict
 
 import torch
 
-
-def kv_shape(config) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of a transformers config."""
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_hidden_layers, kv_heads, head_dim
-
-
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+from gpuwise.plan.memory import kv_bytes_per_token
+from gpuwise.plan.serving import kv_shape
 
 
 class SlotCache:
@@ -41,7 +33,7 @@ class SlotCache:
         self.length = 0
 
     def bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, self.dtype)
+        return int(kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, self.dtype.itemsize))
 
     def _grow(self, capacity: int) -> None:
         shape = (self.layers, self.slots, capacity, self.kv_heads, self.head_dim)
@@ -136,3 +128,9 @@ class PrefixCache:
             self.held -= len(old)
         self.entries[key] = (prompt, keys, values)
         self.held += len(prompt)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (True: may attend) as the additive bias attention takes, in the model's dtype."""
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)

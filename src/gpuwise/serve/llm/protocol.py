@@ -126,6 +126,27 @@ class CompletionRequest(Sampling):
 # --- answers ---------------------------------------------------------------------------------------------
 
 
+class GenerateRequest(BaseModel):
+    """gpuwise's own route, kept for the clients written against it before the OpenAI API."""
+
+    prompt: Text = Field(min_length=1)
+    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.8, ge=0, le=5, allow_inf_nan=False, description="0 (or under 0.001): greedy")
+    top_p: float = Field(0.95, gt=0, le=1, allow_inf_nan=False)
+    stop: list[Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list,
+        max_length=MAX_STOP,
+        description=f"Up to 4 strings of up to {MAX_STOP_CHARS} characters",
+    )
+    stream: bool = Field(False, description='Server-sent events: data: {"text": ...} per piece, then data: [DONE]')
+
+
+class GenerateResponse(BaseModel):
+    text: str
+    tokens: int
+    finish_reason: str
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -22,12 +22,15 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 from gpuwise.errors import GpuwiseError
-from gpuwise.plan.engines import VLLMArgs, cpu_kv_gib, lora_rank, tensor_parallel
-from gpuwise.serve.child import ChildBackend, ChildServer, StreamingEngine, end_of_text
-from gpuwise.serve.engine import GREEDY_BELOW, Sequence, kv_budget
-from gpuwise.serve.kvcache import kv_shape
+from gpuwise.hardware.devices import free_memory
+from gpuwise.plan.engines import VLLM_DTYPE_BYTES, VLLMArgs, cpu_kv_gib, lora_rank, tensor_parallel
+from gpuwise.plan.serving import plan_server
+from gpuwise.serve.engines.base import GREEDY_BELOW, Sequence
+from gpuwise.serve.engines.child import ChildBackend, ChildServer, StreamingEngine, end_of_text
+from gpuwise.workloads.pretrained import spec_of
 from gpuwise.workloads.serving import Limits
 
 log = logging.getLogger("gpuwise.serve")
@@ -149,17 +152,13 @@ class VLLMBackend(ChildBackend):
         dtype: str,
         device: str,
     ):
-        """The plan: vLLM's arguments and the route from each model id to what vLLM serves it as. `start`
-        runs it."""
-        import torch
-
-        from gpuwise.serve.kvcache import kv_bytes_per_token
-
+        """The plan: vLLM's arguments, set from the serving plan (on a CPU its KV cache from the memory free
+        here; on CUDA vLLM sizes its own within gpu_memory_utilization), and the route from each model id to
+        what vLLM serves it as. `start` runs it."""
         self.tok, self.precision, self.device = tok, dtype, device
-        self.context = limits.context(int(getattr(config, "max_position_embeddings", None) or 2048))
-        torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        self.kv_bytes_per_token = kv_bytes_per_token(*kv_shape(config), torch_dtype)
-        self.kv_budget = limits.max_seqs * self.context
+        free = free_memory(device) if device == "cpu" else None
+        self.serving = plan_server(config, VLLM_DTYPE_BYTES[dtype], limits.max_seqs, limits.max_model_len,
+                                   limits.prefix_cache_tokens, free, device)  # fmt: skip
         # the name vLLM serves the base under: a LoRA module may not share it
         base = next((n for n, a in entries if a is None), "gpuwise-base-model")
         adapters = [(n, a) for n, a in entries if a is not None]
@@ -170,27 +169,20 @@ class VLLMBackend(ChildBackend):
         if adapters and any(a is None for _, a in entries):
             modules.append((ZERO_ADAPTER, str(zero_adapter(adapters[0][1], self.workdir / ZERO_ADAPTER))))
             route[None] = ZERO_ADAPTER
-        kv_gib = None
-        if device == "cpu":
-            from gpuwise.serve.llm import free_bytes  # the memory gpuwise's own engine would take
-
-            self.kv_budget = kv_budget(free_bytes(device), self.kv_bytes_per_token, self.context, limits.max_seqs)
-            kv_gib = cpu_kv_gib(self.kv_budget, self.kv_bytes_per_token)
+        kv_gib = cpu_kv_gib(self.serving.kv_budget, self.serving.kv_bytes_per_token) if device == "cpu" else None
         tp = 1
         if device == "cuda":
-            from types import SimpleNamespace
+            import torch  # vLLM's own environment holds the weights; here only the GPUs' memory and count
 
-            from gpuwise.workloads.pretrained import spec_of
-
-            weights = spec_of(SimpleNamespace(config=config)).params * torch.finfo(torch_dtype).bits / 8
+            weights = spec_of(SimpleNamespace(config=config)).params * VLLM_DTYPE_BYTES[dtype]
             tp = tensor_parallel(weights, torch.cuda.get_device_properties(0).total_memory, torch.cuda.device_count())
         self.args = VLLMArgs(
             model=source,
             tensor_parallel=tp,
             served_name=base,
             dtype=dtype,
-            max_model_len=self.context,
-            max_num_seqs=limits.max_seqs,
+            max_model_len=self.serving.context,
+            max_num_seqs=self.serving.slots,
             device=device,
             kv_cache_gib=kv_gib,
             prefix_caching=limits.prefix_cache_tokens > 0,

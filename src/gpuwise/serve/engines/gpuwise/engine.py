@@ -37,47 +37,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from gpuwise.serve.kvcache import PrefixCache, SlotCache, kv_bytes_per_token, kv_shape
-
-__all__ = [
-    "Engine",
-    "Params",
-    "PrefixCache",
-    "QueueFull",
-    "Sequence",
-    "ShuttingDown",
-    "SlotCache",
-    "kv_bytes_per_token",
-    "kv_shape",
-]
+from gpuwise.plan.serving import kv_shape
+from gpuwise.serve.engines.base import GREEDY_BELOW, EngineStats, QueueFull, Sequence, ShuttingDown
+from gpuwise.serve.engines.gpuwise.decoder import Part
+from gpuwise.serve.engines.gpuwise.kvcache import PrefixCache, SlotCache, additive_mask
 
 log = logging.getLogger("gpuwise.serve")
-
-# A temperature below this samples as greedy: logits / temperature would overflow to inf, sampling to nan.
-GREEDY_BELOW = 1e-3
-
-
-class QueueFull(Exception):
-    """The waiting queue is at its bound: the client should come back later (a 429)."""
-
-
-class ShuttingDown(Exception):
-    """The engine has stopped taking requests (a 503)."""
-
-
-@dataclass
-class Params:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-
 
 @dataclass
 class Rows:
@@ -92,50 +62,6 @@ class Rows:
     first: int
     runs: list[int]
     cost: float
-
-
-Sink = Callable[[dict], None]  # called from the engine thread with {"text": ...} or {"finish": ...}
-
-
-class Sequence:
-    """One request in the engine: its prompt, what it generated, and how to reach its client."""
-
-    def __init__(self, prompt: list[int], params: Params, sink: Sink, deadline: float, adapter: str | None = None):
-        self.prompt, self.params, self.sink, self.deadline, self.adapter = prompt, params, sink, deadline, adapter
-        self.out: list[int] = []
-        self.done = 0  # prompt tokens whose keys and values are in its row (prefilling until all are)
-        self.reused = 0  # of those, found in the prefix cache
-        self.sent = ""  # text handed to the client so far
-        self.finish: str | None = None
-        self.cancelled = threading.Event()
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self.t_submit = time.perf_counter()
-        self.t_last: float | None = None
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.out)
-
-    @property
-    def reserved(self) -> int:
-        """KV rows this sequence may come to hold: what admission counts against the budget."""
-        return len(self.prompt) + self.params.max_tokens
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-
-@dataclass
-class EngineStats:
-    """What the server's /metrics reads; the engine thread writes them."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_tokens: int = 0  # reserved by the running sequences
-    on_first_token: Callable[[float], None] = lambda s: None
-    on_token: Callable[[float], None] = lambda s: None
-    on_finish: Callable[[Sequence], None] = lambda s: None
-    on_prefill: Callable[[int, int], None] = lambda prompt_tokens, reused: None
 
 
 class Engine:
@@ -206,6 +132,8 @@ class Engine:
                 raise ShuttingDown("the server is shutting down")
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting already (the bound)")
+            if seq.params.seed is not None:  # the request's own sampler, so that a seed gives the same answer
+                seq.generator = torch.Generator().manual_seed(seq.params.seed)
             self.waiting.append(seq)
             self.stats.waiting = len(self.waiting)
             self.cv.notify()
@@ -402,8 +330,6 @@ class Engine:
         if len(parts) == 1:
             part = parts[0]
             return [self._forward(part.ids, part.pos, part.mask, part.first, [s.adapter for s in part.seqs])]
-        from gpuwise.serve.decoder import Part
-
         self.cache.reserve(max(part.mask.shape[-1] for part in parts))
         return self.decoder.run(  # type: ignore[union-attr]
             [
@@ -561,14 +487,3 @@ def argmax_rows(logits: torch.Tensor, block: int = 128) -> torch.Tensor:
     which = blocks.amax(-1).argmax(-1)
     within = blocks[torch.arange(rows, device=logits.device), which].argmax(-1)
     return which * block + within
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean attention mask (True: may attend) as the additive bias attention takes, in the model's dtype."""
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)
-
-
-def kv_budget(bytes_free: int, bytes_per_token: int, context: int, slots: int) -> int:
-    """KV tokens the engine may hold: what fits in `bytes_free`, at most every slot at full context."""
-    return max(context, min(slots * context, bytes_free // max(1, bytes_per_token)))

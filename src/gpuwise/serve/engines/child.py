@@ -1,5 +1,5 @@
 """An engine server gpuwise starts and supervises as a child process (vLLM, llama.cpp's llama-server), and the
-engine interface (serve/engine_client.py) over its streaming HTTP API.
+engine interface (serve/engines/base.py) over its streaming HTTP API.
 
 The child listens on loopback, on a free port, behind a random key that only this process holds and that it
 is given in its environment (a flag would show in `ps`). gpuwise keeps what it does in front of any engine: the
@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from gpuwise.errors import GpuwiseError
-from gpuwise.serve.engine import EngineStats, QueueFull, Sequence, ShuttingDown
+from gpuwise.plan.serving import ServingPlan
+from gpuwise.serve.engines.base import EngineStats, QueueFull, Sequence, ShuttingDown
 from gpuwise.workloads.serving import Limits
 
 log = logging.getLogger("gpuwise.serve")
@@ -305,9 +306,10 @@ class StreamingEngine:
 
 
 class ChildBackend:
-    """One base (with its LoRA adapters) served by one engine server gpuwise starts: what `LLM` needs of a
-    backend. A subclass sets `args` (its knobs: `summary()`), `precision`, `kv_bytes_per_token`, `limits` and
-    `eos`, makes `server`, and says how an engine is made over it (`engine_for`) and how to start it by hand."""
+    """One base (with its LoRA adapters) served by one engine server gpuwise starts: a `Backend`
+    (serve/engines/base.py). A subclass sets `args` (its knobs, set from the serving plan: `summary()`),
+    `precision`, `serving`, `limits` and `eos`, makes `server`, and says how an engine is made over it
+    (`engine_for`) and how to start it by hand."""
 
     server: ChildServer
     engine: StreamingEngine
@@ -315,7 +317,11 @@ class ChildBackend:
     args: Any
     limits: Limits
     precision: str
-    kv_bytes_per_token: int
+    serving: ServingPlan
+
+    @property
+    def context(self) -> int:
+        return self.serving.context
 
     def engine_for(self, limits: Limits) -> StreamingEngine:
         raise NotImplementedError
@@ -348,9 +354,6 @@ class ChildBackend:
         other = copy.copy(self)
         other.engine, other.owner = self.engine_for(limits), False
         return other
-
-    def planned_kv_bytes_per_token(self) -> float:
-        return float(self.kv_bytes_per_token)
 
     def plan(self) -> str:
         pid = self.server.proc.pid if self.server.proc else "?"

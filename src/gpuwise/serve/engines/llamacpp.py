@@ -24,16 +24,18 @@ import sys
 from pathlib import Path
 
 from gpuwise.errors import GpuwiseError
+from gpuwise.hardware.devices import free_memory
 from gpuwise.plan.engines import LlamaCppArgs
-from gpuwise.serve.child import ChildBackend, ChildServer, StreamingEngine, end_of_text
-from gpuwise.serve.engine import GREEDY_BELOW, Sequence, kv_budget
-from gpuwise.serve.kvcache import kv_shape
+from gpuwise.plan.serving import plan_server
+from gpuwise.serve.engines.base import GREEDY_BELOW, Sequence
+from gpuwise.serve.engines.child import ChildBackend, ChildServer, StreamingEngine, end_of_text
 from gpuwise.workloads.serving import Limits
 
 DTYPES = ("auto", "fp32", "bf16", "fp16", "q8_0")  # --dtype on llama.cpp; auto: the GGUF as it ships
 OUTTYPE = {"fp32": "f32", "bf16": "bf16", "fp16": "f16", "q8_0": "q8_0"}  # convert_hf_to_gguf.py --outtype
 # llama.cpp's finish (stop_type) -> the OpenAI API's finish_reason
 FINISH = {"eos": "stop", "word": "stop", "limit": "length"}
+CACHE_BYTES = {"f32": 4, "f16": 2}  # --cache-type-k/v: a key's or value's bytes
 SEED_MOD = 2**32 - 1  # llama.cpp's seeds are 32-bit, and 2^32 - 1 means "random": gpuwise's seed, folded
 
 
@@ -98,7 +100,7 @@ def _run_converter(script: Path, args: list[str], out: Path, what: str) -> Path:
     log_path = cache_root() / "llama.cpp-models" / f"{out.stem}.log"
     with open(log_path, "wb") as log:
         done = subprocess.run(
-            [sys.executable, "-m", "gpuwise.serve.gguf_convert", str(script), *args, "--outfile", str(tmp)],
+            [sys.executable, "-m", "gpuwise.serve.engines.gguf_convert", str(script), *args, "--outfile", str(tmp)],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -220,28 +222,23 @@ class LlamaCppBackend(ChildBackend):
         dtype: str,
         binary: Path,
     ):
-        """The plan: llama-server's arguments (the KV cache and the slots from gpuwise's plan) and each model
+        """The plan: llama-server's arguments (the KV cache and the slots from the serving plan) and each model
         id's adapter. Converts what must be converted; `start` runs it."""
-        import torch
-
-        from gpuwise.serve.kvcache import kv_bytes_per_token
-        from gpuwise.serve.llm import free_bytes
+        import torch  # the threads gpuwise's own engine would use
 
         self.tok, self.device, self.binary = tok, "cpu", binary
         self.gguf, self.made = gguf_model(ref, source, dtype, binary)
         self.precision = dtype if dtype != "auto" else _gguf_type(self.gguf)
-        self.context = limits.context(int(getattr(config, "max_position_embeddings", None) or 2048))
         cache_type = "f32" if dtype == "fp32" else "f16"  # llama.cpp's default KV type, f32 for an fp32 model
-        dt = torch.float32 if cache_type == "f32" else torch.float16
-        self.kv_bytes_per_token = kv_bytes_per_token(*kv_shape(config), dt)
-        self.kv_budget = kv_budget(free_bytes("cpu"), self.kv_bytes_per_token, self.context, limits.max_seqs)
+        self.serving = plan_server(config, CACHE_BYTES[cache_type], limits.max_seqs, limits.max_model_len,
+                                   limits.prefix_cache_tokens, free_memory("cpu"), "cpu")  # fmt: skip
         adapters = [(n, a) for n, a in entries if a is not None]
         self.lora = {n: i for i, (n, _) in enumerate(adapters)}
         self.args = LlamaCppArgs(
             model=str(self.gguf),
             served_name=next((n for n, a in entries if a is None), entries[0][0]),
-            ctx_size=self.kv_budget,
-            parallel=limits.max_seqs,
+            ctx_size=self.serving.kv_budget,
+            parallel=self.serving.slots,
             threads=torch.get_num_threads(),
             cache_type=cache_type,
             lora=tuple(str(gguf_adapter(a, source, binary)) for _, a in adapters),

@@ -1,40 +1,21 @@
-"""The engine interface the OpenAI server (serve/llm.py, serve/llm_api.py) is written over, and which engine
-`--engine` picks. Three engines implement it: gpuwise's own continuous-batching `Engine` (serve/engine.py),
-`VLLMEngine` (serve/vllm.py) and `LlamaCppEngine` (serve/llamacpp.py), the last two servers gpuwise starts
-and supervises (serve/child.py). The routes, limits, key, Host checks and metrics are the same over all."""
+"""Which engine serves a language model: the one place `gpuwise serve --engine` is decided, from the device, the
+model's format, the adapters and the streams expected (the rule: plan/engines.py `auto_engine`), and from what is
+installed here. The CLI asks `choose_engine` and prints its answer; `serve.models.load` starts what it chose."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from gpuwise.errors import GpuwiseError
-from gpuwise.serve.engine import EngineStats, QueueFull, Sequence, ShuttingDown
+from gpuwise.hardware.devices import serving_device
+from gpuwise.plan.engines import ENGINES, auto_engine
+from gpuwise.serve.engines.llamacpp import DTYPES as LLAMA_CPP_DTYPES
+from gpuwise.serve.engines.llamacpp import find_llama_server, llama_server_version, quantized_gguf
+from gpuwise.serve.engines.vllm import find_vllm
+from gpuwise.serve.models import is_run
 
-__all__ = ["Chosen", "EngineClient", "QueueFull", "ShuttingDown", "choose_engine"]
-
-
-class EngineClient(Protocol):
-    stats: EngineStats
-    max_seqs: int
-
-    def submit(self, seq: Sequence) -> None:
-        """Start generating for `seq` (its prompt ids, `Params`, adapter and deadline). Its events go to
-        `seq.sink`: {"text": piece} as the text grows, then one {"finish": stop|length|timeout|cancelled|error,
-        "prompt_tokens", "completion_tokens"[, "error"]}. Raises QueueFull past the queue's bound and
-        ShuttingDown once closed."""
-        ...
-
-    def cancel(self, seq: Sequence) -> None:
-        """The client has gone: stop generating for `seq` and free its slot."""
-        ...
-
-    def health(self) -> str | None:
-        """None while the engine can answer; else why not, in one line."""
-        ...
-
-    def close(self) -> None: ...
+DTYPES = ("auto", "fp32", "bf16", "fp16", "q8_0")  # --dtype: q8_0 is llama.cpp's alone
 
 
 @dataclass(frozen=True)
@@ -56,20 +37,37 @@ def choose_engine(
     vllm_python: str | None = None,
     llama_server: str | None = None,
 ) -> Chosen:
-    """`--engine` for the models `refs` ([(name, ref)]) at `streams` (--max-seqs): the rule of
+    """`--engine` for the language models `refs` ([(name, ref)]; none: a trained run that is not a language
+    model, which gpuwise's server runs) at `streams` (--max-seqs) and `dtype`: the rule of
     `plan.engines.auto_engine`. An engine asked for by name that is not installed is one line, never another
-    engine in its place."""
-    import torch
-
-    from gpuwise.plan.engines import ENGINES, auto_engine
-    from gpuwise.serve.llamacpp import find_llama_server, llama_server_version, quantized_gguf
-    from gpuwise.serve.vllm import find_vllm
-
+    engine in its place; so is a --dtype the chosen engine does not serve."""
     if engine not in ENGINES:
         raise GpuwiseError(f"--engine {engine}: choose {', '.join(ENGINES)}")
+    if dtype not in DTYPES:
+        raise GpuwiseError(f"--dtype {dtype}: choose auto, fp32, bf16, fp16 or q8_0 (llama.cpp)")
+    chosen = _choose(engine, refs, streams, dtype, vllm_python, llama_server)
+    if dtype not in (LLAMA_CPP_DTYPES if chosen.engine == "llama.cpp" else DTYPES[:4]):
+        raise GpuwiseError(
+            f"--dtype {dtype} is llama.cpp's (--engine llama.cpp); {chosen.engine} serves fp32, bf16, fp16"
+        )
+    return chosen
+
+
+def _choose(
+    engine: str,
+    refs: list[tuple[str, str]],
+    streams: int,
+    dtype: str,
+    vllm_python: str | None,
+    llama_server: str | None,
+) -> Chosen:
+    if not refs:
+        if engine in ("vllm", "llama.cpp"):
+            raise GpuwiseError(f"--engine {engine} serves language models; this run's workload is not one")
+        return Chosen("gpuwise", "a trained run: gpuwise's own server")
     if engine == "gpuwise":
         return Chosen("gpuwise", "--engine gpuwise")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = serving_device()
     if engine == "vllm" or (engine == "auto" and device == "cuda"):
         found = find_vllm(vllm_python)
         if engine == "vllm":
@@ -107,8 +105,7 @@ def choose_engine(
 
 
 def _is_lora_run(ref: str) -> bool:
-    from gpuwise.serve.models import is_run
-    from gpuwise.train.records import open_finished
+    from gpuwise.train.records import open_finished  # serve's start only, where a run is given
 
     path = Path(ref).expanduser()
     if not is_run(path):

@@ -7,7 +7,7 @@ Why that is safe here: the pre-tokenizer only decides how llama.cpp itself would
 gpuwise never asks it to: prompts go to llama-server as token ids from the model's own tokenizer, and what comes
 back is token ids, and their text by the same vocabulary.
 
-    python -m gpuwise.serve.gguf_convert SCRIPT ARGS...   (with the converter's directory and gguf-py on
+    python -m gpuwise.serve.engines.gguf_convert SCRIPT ARGS...   (with the converter's directory and gguf-py on
     PYTHONPATH)
 """
 
