@@ -20,6 +20,7 @@ import yaml
 
 from gpuwise.cli import main
 from gpuwise.cli.launch import plan_command as plan_job
+from gpuwise.errors import GpuwiseError
 from gpuwise.launch.engines import K8S_PRODUCT, RAY_NAME, SKY_NAME, Options
 from gpuwise.launch.registry import engines
 
@@ -319,3 +320,74 @@ def test_a_ray_job_trains_two_workers_and_matches_a_local_two_process_run(ray_cl
     monkeypatch.chdir(tmp_path / "local")
     one_line(capsys, ["launch", "ray", "--gpu", "cpu", "--gpus", "4", "--submit", "--address", ray_cluster, "--",
                       *job], "has 0 of the 1 nodes the job needs", tmp_path / "local")  # fmt: skip
+
+
+# --- one planner: the job launch writes is planned as train plans the run ------------------------------------
+
+
+def torchrun(args: list[str]) -> dict:
+    """`gpuwise train` under torchrun with 2 CPU processes (gloo), as the job's nodes run it: its summary."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
+    done = subprocess.run([*launcher, "-m", "gpuwise", *args, "--devices", "2", "--json"], capture_output=True,
+                          text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("workload", "strategy"), [("defects", "ddp"), ("defects", "fsdp"), ("product-lm", "ddp")])
+def test_launch_plans_the_job_as_train_plans_the_run(catalog, tmp_path, workload, strategy):
+    """The same job planned by `gpuwise launch --gpu cpu --gpus 2` and by the `gpuwise train` of 2 processes that
+    runs it: the same peak memory a process and FLOPs a step (defects: traced on fake tensors, or, sharded by
+    FSDP, its saved activations with the states sharded; product-lm: the analytic formulas, launch's model on
+    fake tensors with no weights), and the same step time but for the batch preparation each times itself."""
+    from train_data import image_folder, reviews_jsonl
+
+    given = {
+        "defects": ["defects", "--data", str(image_folder(tmp_path / "cells")), "--image-size", "32",
+                    "--batch-size", "8"],
+        "product-lm": ["product-lm", "--base", "scratch", "--data", str(reviews_jsonl(tmp_path / "r.jsonl")),
+                       "--block-size", "32", "--batch-size", "4"],
+    }[workload]  # fmt: skip
+    args = ["train", *given, "--max-steps", "2", "--strategy", strategy]
+    job = plan_job(args, catalog, gpu="cpu", gpus=2, run_dir=str(tmp_path / "planned"))
+    ran = torchrun([*args, "--run-dir", str(tmp_path / "run")])
+    assert job.strategy == ran["strategy"] == strategy and job.plan["peak_bytes"] > 0
+    assert job.plan["peak_bytes"] == ran["plan"]["peak_bytes"], (job.method, ran["plan"]["method"])
+    assert job.plan["flops_per_step"] == ran["flops_per_step"]
+    compute = job.plan["step_time_s"] - job.plan["data_s"]
+    assert compute == pytest.approx(ran["plan"]["step_time_s"] - ran["plan"]["data_s"], rel=1e-9)
+    assert job.plan["efficiency_origin"] == ran["plan"]["efficiency_origin"]
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_launch_plans_a_base_from_its_config_without_its_weights(catalog, tmp_path, method):
+    """A base is planned from its config on fake tensors: a model directory whose weights are missing plans as
+    one whose weights are there (a hub id's would never be downloaded), and QLoRA's frozen linear layers count
+    as NF4, half a byte a weight."""
+    from serving import tiny_chat_model
+
+    from train_data import reviews_jsonl
+
+    base = tiny_chat_model(tmp_path / "base")
+    (base / "model.safetensors").unlink()  # `gpuwise train` could not load it; `gpuwise launch` needs no weights
+    data = str(reviews_jsonl(tmp_path / "r.jsonl"))
+    args = ["train", "product-lm", "--base", str(base), "--method", method, "--data", data, "--block-size", "32",
+            "--batch-size", "8", "--max-steps", "2"]  # fmt: skip
+    job = plan_job(args, catalog, gpu="h100-sxm", gpus=2, run_dir=str(tmp_path / "run"))
+    assert "analytic" in job.method and job.plan["peak_bytes"] > 0 and job.plan["flops_per_step"] > 0
+    if method == "qlora":
+        lora = plan_job([*args[:5], "lora", *args[6:]], catalog, gpu="h100-sxm", gpus=2, run_dir=str(tmp_path / "l"))
+        assert job.plan["peak_bytes"] < lora.plan["peak_bytes"]
+
+
+def test_what_needs_no_model_is_checked_before_the_model_is_built(catalog, tmp_path, capsys):
+    """An odd batch over 2 processes is one line at once: no data read, no base resolved (this one does not
+    exist, and would be the error were it looked at first)."""
+    args = ["train", "product-lm", "--base", "someone/no-such-model", "--batch-size", "7"]
+    with pytest.raises(GpuwiseError, match="global batch 7 must be divisible by the 2 processes"):
+        plan_job(args, catalog, gpu="h100-sxm", gpus=2, run_dir=str(tmp_path / "run"))
+    assert "planning product-lm" not in capsys.readouterr().err  # the workload was never built

@@ -143,7 +143,8 @@ def engine_freed(engine, why: str) -> None:
 
 
 def test_a_disconnect_mid_stream_frees_the_slot_and_a_full_queue_is_a_429(run, engine):
-    with Server(run, engine=engine, limits={"max_tokens": 500, "max_seqs": 1, "max_queue": 1}) as c:
+    server = Server(run, engine=engine, limits={"max_tokens": 500, "max_seqs": 1, "max_queue": 1})
+    with server as c:
         ask = {"model": MODEL, "prompt": "This coffee", "max_tokens": 500, "temperature": 0, "stream": True}
         with c.stream("POST", "/v1/completions", json=ask) as s:
             next(line for line in s.iter_lines() if line.startswith("data: "))
@@ -152,7 +153,7 @@ def test_a_disconnect_mid_stream_frees_the_slot_and_a_full_queue_is_a_429(run, e
         # A client that gives up on a whole (non-streaming) answer frees its slot too, and its generation
         # stops there: it does not run on to max_tokens for nobody.
         before = generated(c)
-        give_up(c, "/v1/completions", ask | {"stream": False})
+        give_up(server, "/v1/completions", ask | {"stream": False}, engine)
         freed(c, "the abandoned request still holds its slot")
         engine_freed(engine, "the abandoned request")
         assert generated(c) - before < ask["max_tokens"]

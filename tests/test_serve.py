@@ -273,7 +273,8 @@ def test_abandoned_streams_and_requests_stop_at_the_next_token(runs):
     engine's next step, so none generates its 400 tokens for nobody (counted on /metrics, whatever the host's
     speed), and the next request does not wait behind them. Tolerance on that wait: less than 4 times a
     request alone (it is about 1 when each stopped; 12 had they run to the end)."""
-    with Server(runs["product-lm"], limits={"max_tokens": 512}) as c:
+    server = Server(runs["product-lm"], limits={"max_tokens": 512})
+    with server as c:
         _generation_seconds(c, 2)  # the first call's warm-up stays out of `full`
         full = _generation_seconds(c, 400)
         ask = {"prompt": "This coffee", "max_tokens": 400, "temperature": 0, "stream": True}
@@ -283,7 +284,7 @@ def test_abandoned_streams_and_requests_stop_at_the_next_token(runs):
                 with c.stream("POST", "/v1/generate", json=ask) as s:
                     next(line for line in s.iter_lines() if line.startswith("data: "))
             else:
-                give_up(c, "/v1/generate", ask | {"stream": False})
+                give_up(server, "/v1/generate", ask | {"stream": False})
             freed(c, f"abandoned request {n} still holds its slot")
             assert generated(c) - before < ask["max_tokens"], n
         after = _generation_seconds(c, 400)

@@ -15,8 +15,10 @@ from gpuwise.bench import macro, micro
 from gpuwise.errors import GpuwiseError
 from gpuwise.hardware.catalog import Catalog, match_device
 from gpuwise.hardware.cpu import detect_cpu
+from gpuwise.hardware.reference import LAMBDA_RESNET50, LAMBDA_SOURCE, RESNET50_TRAIN_FLOPS
 from gpuwise.results import BenchResult
 from gpuwise.workloads import names as workload_names
+from gpuwise.workloads.registry import get
 
 PROJECT_ON = ("l4", "a100-80gb", "h100-sxm")
 # Matmul projection: stas00/ml-engineering measured ~795 of 989 dense bf16 TFLOPS on an H100 (published.md).
@@ -151,9 +153,6 @@ def measure_device(
 
 def project_gpu(slug: str, catalog: Catalog, cpu: dict) -> dict:
     """What the catalog says a GPU would do on the same tests: projections, never measurements."""
-    from gpuwise.hardware.reference import LAMBDA_RESNET50, LAMBDA_SOURCE, RESNET50_TRAIN_FLOPS
-    from gpuwise.workloads.registry import get
-
     acc = catalog.get(slug)
     share, share_origin = MATMUL_SHARE
     out: dict[str, Any] = {

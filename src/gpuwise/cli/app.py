@@ -70,6 +70,7 @@ app.command()(ui.ui)
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: bad input of any kind is one line on stderr and exit code 2, never a traceback."""
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.workloads.registry import forget_given
 
     # The Python path was cleaned when gpuwise.cli was imported, for this process's own command line; a

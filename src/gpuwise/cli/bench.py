@@ -24,6 +24,7 @@ def _pct(x: float | None) -> str:
 
 
 def render(con: Console, result: BenchResult | dict) -> None:
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.results import BenchResult
 
     result = BenchResult.load(result)
@@ -84,6 +85,7 @@ def bench(
 ):
     """CPU vs GPU, timed: matmul per dtype, memory bandwidth, host<->device copies and a training
     step of each workload, each as a fraction of the device's peak; a PNG chart beside the JSON."""
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.bench.chart import draw
     from gpuwise.bench.run import parse_devices, run_bench
     from gpuwise.results import BenchFiles
@@ -94,6 +96,7 @@ def bench(
     cat = load_catalog(catalog)
     parse_devices(device)  # a wrong --device or --workload is refused before a directory is made for it
     if workload:
+        # here, not at the top: `gpuwise --help` and the other commands start without it
         from gpuwise.workloads.registry import get
 
         for name in workload:
@@ -115,6 +118,7 @@ def bench(
     except OSError as e:  # a full disk, or the directory removed while bench ran
         raise GpuwiseError(f"cannot write {out / 'bench.png'}: {e.strerror}") from None
     result.files = BenchFiles.build({"json": str(out / "bench.json"), "png": str(png)})
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.files import to_json
     from gpuwise.runs import db as rundb
 

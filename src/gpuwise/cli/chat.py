@@ -68,6 +68,7 @@ def _local(target: str):
     import queue
     import time
 
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.serve.engines.base import Params, Sequence
     from gpuwise.serve.llm.core import LLM
     from gpuwise.serve.llm.decode import chat_prompt

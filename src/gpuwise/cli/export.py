@@ -25,6 +25,7 @@ def export(
 ):
     """Write the trained model as ONNX (dynamic batch), then run onnxruntime and torch on the same
     real inputs and report their largest difference. Language models serve through torch."""
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.serve.export import compare_with_torch, export_onnx, load_torch
 
     if fmt != "onnx":

@@ -17,6 +17,7 @@ def hardware(
     """The accelerator catalog: memory, bandwidth, dense peaks, power, prices, each with source and date."""
     from dataclasses import asdict
 
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.views import render_accelerator, render_hardware
 
     cat = load_catalog(catalog)
@@ -40,12 +41,14 @@ def devices(catalog: CatalogOpt = None, as_json: JsonOpt = False):
 
     The CPU's FP32 peak is derived as cores x FLOP/cycle (from its ISA) x clock, and printed so.
     """
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.hardware.devices import detect
 
     dev = detect(load_catalog(catalog))
     if as_json:
         emit(dev.as_dict())
     else:
+        # here, not at the top: `gpuwise --help` and the other commands start without it
         from gpuwise.views import render_devices
 
         render_devices(console, dev)

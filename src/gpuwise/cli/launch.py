@@ -38,6 +38,7 @@ SET_BY_LAUNCH = {
 def parse_train(argv: list[str]) -> tuple[str, tuple[str, ...], dict]:
     """The train command given after `--`: its workload, its options as given, and their parsed values,
     parsed by `gpuwise train`'s own options (so a typo is the same error as there)."""
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.cli import train as train_cli
 
     if not argv or argv[0] != "train":
@@ -65,9 +66,9 @@ def parse_train(argv: list[str]) -> tuple[str, tuple[str, ...], dict]:
     return params["workload"], tuple(options), params
 
 
-
 def plan_command(argv: list[str], catalog, **kw):
     """The job `argv` (["train", WORKLOAD, options...]) parsed as `gpuwise train` parses it, then planned."""
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.cli.train import config_of
     from gpuwise.launch.job import plan_job
 
@@ -75,71 +76,97 @@ def plan_command(argv: list[str], catalog, **kw):
     return plan_job(config_of(workload, params), options, catalog, **kw)
 
 
+# `gpuwise launch`'s arguments and options, each with its help
+EngineArg = Annotated[
+    EngineName, typer.Argument(help="Where the job runs: slurm, ray, skypilot or k8s.", metavar="ENGINE")
+]
+
+JobArg = Annotated[
+    list[str] | None,
+    typer.Argument(
+        help="After --: the job, as you would run it here: train WORKLOAD [train options].",
+        show_default=False,
+        metavar="-- train WORKLOAD [OPTIONS]",
+    ),
+]
+
+GpuOpt = Annotated[
+    str | None,
+    typer.Option(help="Accelerator slug (gpuwise hardware), or cpu for CPU nodes [the cheapest whole job]."),
+]
+
+OutOpt = Annotated[Path | None, typer.Option(help="Where the artifact is written [./JOBNAME + the engine's suffix].")]
+
+RunDirOpt = Annotated[
+    Path | None, typer.Option(help="The run directory, on storage every node sees [./runs/WORKLOAD-TIME].")
+]
+
+MaxCostOpt = Annotated[
+    float | None, typer.Option(min=0, help="Refuse a plan whose cloud cost for the whole job exceeds this, USD.")
+]
+
+TimeLimitOpt = Annotated[
+    int | None,
+    typer.Option(min=1, max=525_600, help="The job's time limit, minutes [the planned time x 1.5 + 15]."),
+]
+
+EfficiencyOpt = Annotated[
+    float | None, typer.Option(min=1e-4, max=1, help="Fraction of dense peak achieved [0.462, PaLM MFU].")
+]
+
+MemPerNodeOpt = Annotated[
+    int | None, typer.Option(min=1, help="Host memory per node, GiB [2 x the planned memory + 8].")
+]
+
+PythonOpt = Annotated[
+    str | None,
+    typer.Option(help="The Python with gpuwise on the nodes [this one for Slurm, a shared file system; python]."),
+]
+
+GresTypeOpt = Annotated[str | None, typer.Option(help=f"{SLURM}: your site's GPU type name (--gpus-per-node=TYPE:N).")]
+
+AddressOpt = Annotated[
+    str | None, typer.Option(help=f"{RAY}: the cluster's dashboard address [RAY_ADDRESS, else http://127.0.0.1:8265].")
+]
+
+ManagedOpt = Annotated[
+    bool, typer.Option("--managed", help=f"{SKY}: a managed job (sky jobs launch), recovered after preemption.")
+]
+
+PvcOpt = Annotated[
+    str | None, typer.Option(help=f"{K8S}: an existing PersistentVolumeClaim for the runs [one is created].")
+]
+
+
 def launch(
-    engine: Annotated[
-        EngineName, typer.Argument(help="Where the job runs: slurm, ray, skypilot or k8s.", metavar="ENGINE")
-    ],
-    job: Annotated[
-        list[str] | None,
-        typer.Argument(
-            help="After --: the job, as you would run it here: train WORKLOAD [train options].",
-            show_default=False,
-            metavar="-- train WORKLOAD [OPTIONS]",
-        ),
-    ] = None,
-    gpu: Annotated[
-        str | None,
-        typer.Option(help="Accelerator slug (gpuwise hardware), or cpu for CPU nodes [the cheapest whole job]."),
-    ] = None,
+    engine: EngineArg,
+    job: JobArg = None,
+    gpu: GpuOpt = None,
     gpus: Annotated[int | None, typer.Option(min=1, max=100_000, help="Processes (GPUs) in all [1].")] = None,
     nodes: Annotated[int | None, typer.Option(min=1, max=10_000, help="Nodes [as few as the servers hold].")] = None,
     submit: Annotated[bool, typer.Option("--submit", help="Hand the job to the engine and record it.")] = False,
-    out: Annotated[
-        Path | None, typer.Option(help="Where the artifact is written [./JOBNAME + the engine's suffix].")
-    ] = None,
-    run_dir: Annotated[
-        Path | None, typer.Option(help="The run directory, on storage every node sees [./runs/WORKLOAD-TIME].")
-    ] = None,
-    max_cost: Annotated[
-        float | None, typer.Option(min=0, help="Refuse a plan whose cloud cost for the whole job exceeds this, USD.")
-    ] = None,
+    out: OutOpt = None,
+    run_dir: RunDirOpt = None,
+    max_cost: MaxCostOpt = None,
     provider: Annotated[str | None, typer.Option(help="Price with this cloud provider only.")] = None,
-    time_limit: Annotated[
-        int | None,
-        typer.Option(min=1, max=525_600, help="The job's time limit, minutes [the planned time x 1.5 + 15]."),
-    ] = None,
-    efficiency: Annotated[
-        float | None, typer.Option(min=1e-4, max=1, help="Fraction of dense peak achieved [0.462, PaLM MFU].")
-    ] = None,
+    time_limit: TimeLimitOpt = None,
+    efficiency: EfficiencyOpt = None,
     cpus_per_node: Annotated[int | None, typer.Option(min=1, help="CPU cores per node [8 per GPU].")] = None,
-    mem_per_node: Annotated[
-        int | None, typer.Option(min=1, help="Host memory per node, GiB [2 x the planned memory + 8].")
-    ] = None,
-    python: Annotated[
-        str | None,
-        typer.Option(help="The Python with gpuwise on the nodes [this one for Slurm, a shared file system; python]."),
-    ] = None,
+    mem_per_node: MemPerNodeOpt = None,
+    python: PythonOpt = None,
     partition: Annotated[str | None, typer.Option(help=f"{SLURM}: partition.", rich_help_panel=SLURM)] = None,
     account: Annotated[str | None, typer.Option(help=f"{SLURM}: account.", rich_help_panel=SLURM)] = None,
     qos: Annotated[str | None, typer.Option(help=f"{SLURM}: QoS.", rich_help_panel=SLURM)] = None,
-    gres_type: Annotated[
-        str | None, typer.Option(help=f"{SLURM}: your site's GPU type name (--gpus-per-node=TYPE:N).")
-    ] = None,
-    address: Annotated[
-        str | None, typer.Option(help=f"{RAY}: the cluster's dashboard address [RAY_ADDRESS, else http://127.0.0.1:8265].")
-    ] = None,
-    managed: Annotated[
-        bool, typer.Option("--managed", help=f"{SKY}: a managed job (sky jobs launch), recovered after preemption.")
-    ] = False,
+    gres_type: GresTypeOpt = None,
+    address: AddressOpt = None,
+    managed: ManagedOpt = False,
     spot: Annotated[bool, typer.Option("--spot", help=f"{SKY}: spot instances (with --managed).")] = False,
     bucket: Annotated[str | None, typer.Option(help=f"{SKY}: the bucket that holds the run directory.")] = None,
     autostop: Annotated[int, typer.Option(min=1, help=f"{SKY}: idle minutes before the cluster stops.")] = 10,
     setup: Annotated[str | None, typer.Option(help=f"{SKY}: the command that installs gpuwise on a node.")] = None,
     image: Annotated[str | None, typer.Option(help=f"{K8S}: the container image with gpuwise installed.")] = None,
     namespace: Annotated[str | None, typer.Option(help=f"{K8S}: namespace.")] = None,
-    pvc: Annotated[
-        str | None, typer.Option(help=f"{K8S}: an existing PersistentVolumeClaim for the runs [one is created].")
-    ] = None,
+    pvc: PvcOpt = None,
     pvc_size: Annotated[int, typer.Option(min=1, help=f"{K8S}: GiB of the created claim.")] = 100,
     storage_class: Annotated[str | None, typer.Option(help=f"{K8S}: storage class of the created claim.")] = None,
     catalog: CatalogOpt = None,
@@ -147,6 +174,7 @@ def launch(
 ):
     """Write a planned training job as an engine runs it (an sbatch script, a Ray job, a SkyPilot task,
     Kubernetes manifests), with the plan's figures beside it; --submit hands it to the engine."""
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.launch.engines import Options
     from gpuwise.launch.job import dollars
     from gpuwise.launch.registry import engines
@@ -211,6 +239,7 @@ def launch(
         chosen.preflight(planned, opts)
     text = chosen.render(planned, opts)
     path = out or Path(planned.name + chosen.suffix)
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.files import write_atomic
 
     write_atomic(path, text)
@@ -234,11 +263,13 @@ def launch(
 
 
 def _record(engine: str, job_id: str, job, path: Path, opts) -> int | None:
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.results import LaunchRecord
     from gpuwise.runs import db
 
     found = {"address": opts.address} if engine == "ray" else {}
     if engine == "ray" and not opts.address:
+        # here, not at the top: `gpuwise --help` and the other commands start without it
         from gpuwise.launch.rayjob import address_of
 
         found = {"address": address_of(opts)}
@@ -259,6 +290,7 @@ def _record(engine: str, job_id: str, job, path: Path, opts) -> int | None:
 
 
 def _show(job, f: dict, given: bool) -> None:
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.launch.job import dollars, duration
 
     c = job.choice
@@ -284,12 +316,14 @@ def _show(job, f: dict, given: bool) -> None:
             if price
             else "no cloud price in the catalog",
         ),
-        ("CPUs, memory per node", f"{job.cpus_per_node}, {job.mem_per_node_gib} GiB",
-         f"{f['sources']['cpus']}; {f['sources']['host_memory']}"),  # fmt: skip
+        (
+            "CPUs, memory per node",
+            f"{job.cpus_per_node}, {job.mem_per_node_gib} GiB",
+            f"{f['sources']['cpus']}; {f['sources']['host_memory']}",
+        ),  # fmt: skip
     ]
     for alt in job.alternatives:
         rows.append(("fallback", alt.name, f"{duration(alt.wall_s)}, {dollars(alt.usd)}"))
     for r in rows:
         t.add_row(*r)
     console.print(t)
-

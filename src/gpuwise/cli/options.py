@@ -28,6 +28,7 @@ CatalogOpt = Annotated[
 
 def _workload_named(value: str | None) -> str | None:
     if value:
+        # here, not at the top: `gpuwise --help` and the other commands start without it
         from gpuwise.workloads.registry import name_given
 
         name_given(value, flag=True)
@@ -52,12 +53,14 @@ WorkloadOpt = Annotated[
 
 def emit(data: Any) -> None:
     """--json: standard JSON on stdout (files.to_json: inf and nan as null), the only way a command prints it."""
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.files import to_json
 
     sys.stdout.write(to_json(data, indent=2) + "\n")
 
 
 def load_catalog(files: list[Path] | None):
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.hardware.catalog import load_catalog as load
 
     return load(files)

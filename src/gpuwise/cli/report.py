@@ -26,6 +26,7 @@ def report(
     ] = None,
 ):
     """Write an HTML report with its plots inlined: loss and metric curves, throughput, plan vs actual."""
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.report import html
     from gpuwise.runs import db
 

@@ -19,6 +19,7 @@ app = typer.Typer(
 
 
 def _headline(r: dict[str, Any]) -> str:
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.results import BenchResult, LaunchRecord, PlanResult, TrainSummary
     from gpuwise.runs import db
 
@@ -34,6 +35,7 @@ def _headline(r: dict[str, Any]) -> str:
         hours = result.compute.gpu_hours if result.compute else 0
         return f"{result.gpus} x {result.gpu}, fits {result.fits}, {hours:,.1f} GPU-h"
     if isinstance(result, LaunchRecord):
+        # here, not at the top: `gpuwise --help` and the other commands start without it
         from gpuwise.launch.status import headline
 
         return headline(result)
@@ -48,6 +50,7 @@ def runs(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """List every recorded plan, bench and training run."""
     if ctx.invoked_subcommand:
         return
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.runs import db
 
     rows = db.rows()
@@ -65,10 +68,12 @@ def runs(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 @app.command()
 def show(record_id: Annotated[int, typer.Argument(help="A record id from `gpuwise runs`.")]) -> None:
     """Everything recorded for one plan, bench or run (its JSON)."""
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.runs import db
 
     row = db.get(record_id)
     if row["kind"] == "launch":  # the job as it is now: its state, and its summary once it has finished
+        # here, not at the top: `gpuwise --help` and the other commands start without it
         from gpuwise.launch.status import status
         from gpuwise.results import LaunchRecord
 
@@ -79,6 +84,7 @@ def show(record_id: Annotated[int, typer.Argument(help="A record id from `gpuwis
 @app.command()
 def compare(as_json: JsonOpt = False) -> None:
     """The error of every estimate over all recorded training runs: (estimate - actual) / actual."""
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.runs import db
 
     rows = db.compare()

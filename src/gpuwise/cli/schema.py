@@ -20,6 +20,7 @@ EPILOG = "Example: gpuwise schema train > summary.schema.json"
 
 def schema_text(kind: str) -> str:
     """The schema of one result, as `gpuwise schema KIND` prints it and docs/schema/KIND.json holds it."""
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.results import SCHEMAS
 
     return json.dumps(SCHEMAS[kind].model_json_schema(), indent=2, ensure_ascii=False) + "\n"

@@ -58,119 +58,147 @@ def _check_port_free(host: str, port: int) -> None:
             raise GpuwiseError(f"cannot listen on {host}:{port} ({e.strerror})") from None
 
 
+# `gpuwise serve`'s arguments and options, each with its help
+RunDirArg = Annotated[
+    Path | None,
+    typer.Argument(
+        metavar="RUN_OR_MODEL",
+        help="A finished `gpuwise train` run, or a language model: a named base (smollm2-135m-instruct), "
+        "a .gguf file, a model directory or a hub id, served behind the OpenAI API.",
+    ),
+]
+
+ModelOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="Language models: NAME=RUN_OR_MODEL, repeatable; clients pick one by its NAME. LoRA runs of one "
+        "base share it in memory."
+    ),
+]
+
+MaxBatchOpt = Annotated[int, typer.Option(min=1, max=65536, help="Items per forward pass at most (1: no batching).")]
+
+ApiKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        envvar="GPUWISE_API_KEY",
+        help="Required on every request when set. The flag shows in the process list; GPUWISE_API_KEY does not.",
+    ),
+]
+
+MaxConnectionsOpt = Annotated[int, typer.Option(min=1, max=100_000, help="Connections open at once; a 503 beyond.")]
+
+MaxSeqsOpt = Annotated[
+    int, typer.Option(min=1, max=4096, help="Language models: sequences generated together at most.")
+]
+
+MaxQueueOpt = Annotated[
+    int, typer.Option(min=0, max=1_000_000, help="Language models: requests waiting at most; a 429 beyond.")
+]
+
+PrefixCacheOpt = Annotated[
+    int,
+    typer.Option(
+        min=0,
+        max=10_000_000,
+        help="Language models: prompt tokens whose keys and values are kept, so that prompts which start "
+        "alike (a chat template, a system prompt, earlier turns) run only what differs; 0: off.",
+    ),
+]
+
+MaxModelLenOpt = Annotated[
+    int,
+    typer.Option(
+        min=0,
+        max=10_000_000,
+        help="Language models: the longest prompt + answer, in tokens; it bounds the KV cache each "
+        "sequence may take (vLLM preallocates it). 0: the model's own context.",
+    ),
+]
+
+DtypeOpt = Annotated[
+    str,
+    typer.Option(
+        help="Language models: auto (bf16 where the GPU or CPU computes it, else fp32; on llama.cpp a GGUF as "
+        "it ships), fp32, bf16, fp16; q8_0 on llama.cpp (converted once by llama.cpp's converter, cached)."
+    ),
+]
+
+EngineOpt = Annotated[
+    str,
+    typer.Option(
+        help="Language models: the engine that generates: auto, gpuwise, vllm, llama.cpp. auto: vLLM on CUDA "
+        "where it is installed; on a CPU llama.cpp for a quantized GGUF (the named bases) at --max-seqs 1 "
+        "where it is installed, else gpuwise's own. The rule and its measurements: docs/serving.md.",
+    ),
+]
+
+VllmPythonOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="--engine vllm: the Python of an environment with vLLM (e.g. .venv-vllm/bin/python; "
+        "or set GPUWISE_VLLM_PYTHON) [this environment's]. vLLM runs as a child process gpuwise supervises."
+    ),
+]
+
+LlamaServerOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="--engine llama.cpp: the llama-server to run (or set GPUWISE_LLAMA_SERVER) [the one `make "
+        "llama.cpp` built, else PATH's]. It runs as a child process gpuwise supervises."
+    ),
+]
+
+VllmTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--engine-timeout",
+        "--vllm-timeout",
+        min=1,
+        max=86400,
+        help="--engine vllm or llama.cpp: seconds the engine may take to start.",
+    ),
+]
+
+CorsOriginOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="A browser origin allowed to call the API (repeatable; * for any). A request from any other "
+        "web page's origin (its Origin header) is a 403."
+    ),
+]
+
+GraceOpt = Annotated[float, typer.Option(min=0, max=86400, help="Seconds in-flight requests get after SIGTERM.")]
+
+
 def serve(
-    run_dir: Annotated[
-        Path | None,
-        typer.Argument(
-            metavar="RUN_OR_MODEL",
-            help="A finished `gpuwise train` run, or a language model: a named base (smollm2-135m-instruct), "
-            "a .gguf file, a model directory or a hub id, served behind the OpenAI API.",
-        ),
-    ] = None,
-    model: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="Language models: NAME=RUN_OR_MODEL, repeatable; clients pick one by its NAME. LoRA runs of one "
-            "base share it in memory."
-        ),
-    ] = None,
+    run_dir: RunDirArg = None,
+    model: ModelOpt = None,
     host: Annotated[str, typer.Option(help=HOST_HELP)] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
     allowed_host: Annotated[list[str] | None, typer.Option(metavar="NAME", help=ALLOWED_HOST_HELP)] = None,
-    max_batch: Annotated[
-        int, typer.Option(min=1, max=65536, help="Items per forward pass at most (1: no batching).")
-    ] = 32,
+    max_batch: MaxBatchOpt = 32,
     max_wait_ms: Annotated[float, typer.Option(min=0, max=10_000, help="How long a pass waits for more items.")] = 5.0,
     runtime: Annotated[str, typer.Option(help="torch, or onnx (after `gpuwise export`).")] = "torch",
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar="GPUWISE_API_KEY",
-            help="Required on every request when set. The flag shows in the process list; GPUWISE_API_KEY does not.",
-        ),
-    ] = None,
+    api_key: ApiKeyOpt = None,
     timeout: Annotated[float, typer.Option(min=0.001, max=86400, help="Seconds a request may take.")] = 30.0,
     read_timeout: ReadTimeoutOpt = 30.0,
-    max_connections: Annotated[
-        int, typer.Option(min=1, max=100_000, help="Connections open at once; a 503 beyond.")
-    ] = 256,
+    max_connections: MaxConnectionsOpt = 256,
     max_body_mb: Annotated[float, typer.Option(min=0.001, max=4096, help="Largest request body.")] = 16.0,
     max_k: Annotated[int, typer.Option(min=1, max=1_000_000, help="Ranking workloads: largest k.")] = 100,
     max_tokens: Annotated[int, typer.Option(min=1, max=1_000_000, help="Language models: largest max_tokens.")] = 512,
-    max_seqs: Annotated[
-        int, typer.Option(min=1, max=4096, help="Language models: sequences generated together at most.")
-    ] = 32,
-    max_queue: Annotated[
-        int, typer.Option(min=0, max=1_000_000, help="Language models: requests waiting at most; a 429 beyond.")
-    ] = 256,
-    prefix_cache: Annotated[
-        int,
-        typer.Option(
-            min=0,
-            max=10_000_000,
-            help="Language models: prompt tokens whose keys and values are kept, so that prompts which start "
-            "alike (a chat template, a system prompt, earlier turns) run only what differs; 0: off.",
-        ),
-    ] = 4096,
-    max_model_len: Annotated[
-        int,
-        typer.Option(
-            min=0,
-            max=10_000_000,
-            help="Language models: the longest prompt + answer, in tokens; it bounds the KV cache each "
-            "sequence may take (vLLM preallocates it). 0: the model's own context.",
-        ),
-    ] = 0,
-    dtype: Annotated[
-        str,
-        typer.Option(
-            help="Language models: auto (bf16 where the GPU or CPU computes it, else fp32; on llama.cpp a GGUF as "
-            "it ships), fp32, bf16, fp16; q8_0 on llama.cpp (converted once by llama.cpp's converter, cached)."
-        ),
-    ] = "auto",
-    engine: Annotated[
-        str,
-        typer.Option(
-            help="Language models: the engine that generates: auto, gpuwise, vllm, llama.cpp. auto: vLLM on CUDA "
-            "where it is installed; on a CPU llama.cpp for a quantized GGUF (the named bases) at --max-seqs 1 "
-            "where it is installed, else gpuwise's own. The rule and its measurements: docs/serving.md.",
-        ),
-    ] = "auto",
-    vllm_python: Annotated[
-        str | None,
-        typer.Option(
-            help="--engine vllm: the Python of an environment with vLLM (e.g. .venv-vllm/bin/python; "
-            "or set GPUWISE_VLLM_PYTHON) [this environment's]. vLLM runs as a child process gpuwise supervises."
-        ),
-    ] = None,
-    llama_server: Annotated[
-        str | None,
-        typer.Option(
-            help="--engine llama.cpp: the llama-server to run (or set GPUWISE_LLAMA_SERVER) [the one `make "
-            "llama.cpp` built, else PATH's]. It runs as a child process gpuwise supervises."
-        ),
-    ] = None,
-    vllm_timeout: Annotated[
-        float,
-        typer.Option(
-            "--engine-timeout",
-            "--vllm-timeout",
-            min=1,
-            max=86400,
-            help="--engine vllm or llama.cpp: seconds the engine may take to start.",
-        ),
-    ] = 900.0,
+    max_seqs: MaxSeqsOpt = 32,
+    max_queue: MaxQueueOpt = 256,
+    prefix_cache: PrefixCacheOpt = 4096,
+    max_model_len: MaxModelLenOpt = 0,
+    dtype: DtypeOpt = "auto",
+    engine: EngineOpt = "auto",
+    vllm_python: VllmPythonOpt = None,
+    llama_server: LlamaServerOpt = None,
+    vllm_timeout: VllmTimeoutOpt = 900.0,
     confirmed: WorkloadOpt = None,
-    cors_origin: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="A browser origin allowed to call the API (repeatable; * for any). A request from any other "
-            "web page's origin (its Origin header) is a 403."
-        ),
-    ] = None,
-    grace: Annotated[
-        float, typer.Option(min=0, max=86400, help="Seconds in-flight requests get after SIGTERM.")
-    ] = 30.0,
+    cors_origin: CorsOriginOpt = None,
+    grace: GraceOpt = 30.0,
 ):
     """Serve a trained run over HTTP: its workload's route (/v1/predict for images, /v1/recommend for
     rankings), with /health, /v1/info, /metrics and the OpenAPI docs at /docs. A language model (a
@@ -184,7 +212,8 @@ def serve(
     # PASSIVE against libgomp's default: 32 streams 1.16-1.28x, one stream level; docs/serving.md "One stream").
     # Set OMP_WAIT_POLICY to override.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import uvicorn  # here, not at the top: `gpuwise --help` and the other commands stay light
+    # here, not at the top: `gpuwise --help` and the other commands start without them
+    import uvicorn
 
     from gpuwise.serve.app import Settings, create_app, server_config
     from gpuwise.serve.engines.choose import choose_engine

@@ -97,6 +97,7 @@ def train(
     as_json: JsonOpt = False,
 ):
     """Train a workload on the best device here: data -> forward -> loss -> update, checkpoints, evaluation."""
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.train.loop import resume as resume_run
     from gpuwise.train.loop import train as train_run
     from gpuwise.train.report import render
@@ -129,6 +130,7 @@ def train(
 def config_of(workload: str, params: dict):
     """The TrainConfig of a `gpuwise train` command line, from its parsed options (`train`'s parameters:
     `gpuwise launch` parses the train command it is given with the same options)."""
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.train.config import TrainConfig
     from gpuwise.workloads.registry import name_given
 
@@ -160,6 +162,7 @@ def predict(
     as_json: JsonOpt = False,
 ):
     """Run a trained model on new inputs."""
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.errors import loading_model
     from gpuwise.train.records import open_finished
 

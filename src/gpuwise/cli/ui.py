@@ -57,6 +57,7 @@ def ui(
 
     import uvicorn
 
+    # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.serve.app import server_config
     from gpuwise.ui.app import create_app
     from gpuwise.ui.endpoints import parse_endpoints

@@ -14,12 +14,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gpuwise.errors import GpuwiseError
+from gpuwise import __version__
+from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.hardware.catalog import Accelerator, Catalog
+from gpuwise.plan.cost import check_provider
 from gpuwise.plan.request import ALLOCATOR_SLACK, EFFICIENCY, OVERHEAD_BYTES, Assumption
 from gpuwise.train.config import TrainConfig
 
@@ -36,7 +38,6 @@ RDZV_PORT = 29500  # torchrun's default rendezvous port; each job takes one of t
 SHUTDOWN_GRACE_S = 240
 RDZV_JOIN_S = 1800  # nodes may start minutes apart (image pulls, provisioning): torchrun's default waits 600 s
 TOP_CHOICES = 3  # the plan's best accelerators that SkyPilot may fall back to, in gpuwise's order
-
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,9 @@ class Job:
     efficiency: float
     efficiency_origin: str
     method: str
+    # what `gpuwise train` will set beside what it measures, as the one planner planned it here: peak_bytes and
+    # flops_per_step; on CPU nodes also step_time_s, data_s and the efficiency behind them
+    plan: dict = field(default_factory=dict)
 
     @property
     def rdzv_port(self) -> int:
@@ -92,8 +96,6 @@ class Job:
 
     def headline(self) -> str:
         """The first comment line of every artifact."""
-        from gpuwise import __version__
-
         c = self.choice
         return (f"gpuwise {__version__}: {self.workload} on {c.nodes} x {c.per_node} {c.name}, planned "
                 f"{duration(c.wall_s)} of training, {dollars(c.usd)}")  # fmt: skip
@@ -202,50 +204,9 @@ def node_script(
     )
 
 
-def _probe(work, cfg, micro: int, precision: str, world: int, fsdp: bool, gpu: bool) -> tuple[int, float, str]:
-    """Planned peak bytes a process (tensors, plus the CUDA context and allocator slack) and FLOPs a sample: what
-    `gpuwise train` plans before its first step (train/runplan.py plan_run), from one real forward and backward
-    on a few samples here, under the planned precision's autocast."""
-    import torch
-
-    from gpuwise.train import measure
-    from gpuwise.train.runplan import analytic_plan
-
-    n = min(micro, 4)
-    batch = work.make_batch(list(range(n)), 0)
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    try:
-        with torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
-            flops, saved = measure.probe_step(work.model, work.loss, batch)
-    except Exception as e:  # noqa: BLE001 - a user's model: its failure as one line
-        from gpuwise.errors import first_line
-
-        raise GpuwiseError(f"planning the job failed: one step of {n} samples here raised {first_line(e)}") from None
-    states = measure.state_bytes(work.model)
-    tensors = states + saved / n * micro
-    method = f"model states + activations saved for backward, counted on one step of {n} samples here"
-    if work.model_spec is not None:
-        fabric_precision = {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(precision, "32-true")
-        tensors = analytic_plan(work, cfg, micro, fabric_precision, work.model)["peak_bytes"]
-        method = "this model's states + gpuwise plan's analytic activations"
-    else:  # as train plans a model the formulas do not cover: one step of micro-batch size on fake tensors
-        from gpuwise.plan.traced import traced_run_memory
-
-        try:
-            tensors = traced_run_memory(work.model, work.loss, work.make_batch(list(range(micro)), 0), precision, "cpu")
-            method = f"one step of {micro} samples traced on fake tensors"
-        except Exception:  # noqa: BLE001 - an op with no fake-tensor kernel: the saved-activation count stands
-            pass
-    if fsdp:  # weights, gradients and AdamW moments sharded over the processes; activations are not
-        tensors = tensors - states + states / world
-        method += f", states sharded over {world} (FSDP)"
-    if not gpu:  # a CPU process has no CUDA context nor caching allocator: its tensors, as train plans them
-        return int(tensors), flops / n, method
-    return int(tensors + OVERHEAD_BYTES.value + ALLOCATOR_SLACK.value * tensors), flops / n, method
-
-
 def _candidates(catalog: Catalog, gpu: str | None) -> list[Accelerator]:
     if gpu == "cpu":
+        # torch and the workloads: `gpuwise runs`, which reads jobs, starts without them
         from gpuwise.hardware.devices import cpu_accelerator, detect
 
         return [cpu_accelerator(detect(catalog).cpu)]
@@ -283,6 +244,58 @@ def layout(acc: Accelerator, gpus: int, nodes: int | None) -> tuple[int, int]:
     return nodes, per_node
 
 
+@dataclass(frozen=True)
+class RunPlanned:
+    """The run a job runs, planned by train's one planner here: its config resolved and laid out, the
+    micro-batch, the strategy, and the figures train will set beside what it measures."""
+
+    cfg: TrainConfig
+    share: int
+    steps: int
+    micro: int
+    strategy: str
+    figures: dict[str, Any]
+    memory_method: str
+
+
+def _plan_run(cfg: TrainConfig, world: int, on_cpu: bool, precision: str) -> RunPlanned:
+    """The workload built as train builds it, its data counted here; a model with weights to download is built
+    from its config on fake tensors (`Workload.plan_build`), so nothing is downloaded or allocated for it. Then
+    train's own rules: the layout (`lay_out`), the memory (`probe`, `plan_memory`) and, on CPU nodes, the step
+    time (`plan_step`)."""
+    # torch and the workloads: `gpuwise runs`, which reads jobs, starts without them
+    from gpuwise.train.engine import resolve_strategy
+    from gpuwise.train.runplan import plan_memory, plan_step, probe
+    from gpuwise.train.setup import lay_out
+    from gpuwise.workloads import build as build_workload
+
+    strategy = resolve_strategy(cfg.strategy, world)
+    fabric_precision = {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(precision, "32-true")
+    print(f"gpuwise: planning {cfg.workload}: counting its data and one step of its model here", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="gpuwise-launch-") as tmp:
+        work = build_workload(cfg, Path(tmp), planning=True)
+    lay = lay_out(cfg, work, world, "cpu" if on_cpu else "cuda", fabric_precision, strategy)
+    micro = min(lay.share, lay.cfg.micro_batch_size or lay.share)
+    batch = lambda n: work.make_batch(list(range(n)), 0)  # noqa: E731
+    try:
+        probed = probe(work.model, work.loss, batch, lay.share)
+        say = lambda line: print(line, file=sys.stderr)  # noqa: E731
+        memory = plan_memory(work.model, work.loss, batch, probed, lay.cfg, micro, fabric_precision, world,
+                             strategy == "fsdp", work.model_spec, say)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - a user's model: its failure as one line
+        raise GpuwiseError(f"planning the job failed: one step of its model here raised {first_line(e)}") from None
+    figures: dict[str, Any] = {
+        "peak_bytes": memory.peak_bytes,
+        "flops_per_step": probed.flops_per_sample * lay.batch_size,
+    }
+    if on_cpu:
+        trainable = sum(p.numel() for p in work.model.parameters() if p.requires_grad)
+        step = plan_step(lay.cfg, figures["flops_per_step"], fabric_precision, "cpu", 0, world, lay.share, trainable,
+                         lambda: batch(lay.share))  # fmt: skip
+        figures |= {k: step.get(k) for k in ("step_time_s", "data_s", "efficiency", "efficiency_origin")}
+    return RunPlanned(lay.cfg, lay.share, lay.total, micro, strategy, figures, memory.method)
+
+
 def plan_job(
     cfg: TrainConfig,
     options: tuple[str, ...],
@@ -301,10 +314,6 @@ def plan_job(
     """Plan the train command `cfg` (parsed from `options`, its flags as given) for the engines: the accelerator and
     count (given, or the cheapest whole job of the catalog among the `nameable` slugs: those the engine can
     ask for by name), and every figure the artifacts need."""
-    from gpuwise.train.engine import resolve_strategy
-    from gpuwise.train.setup import schedule
-    from gpuwise.workloads import build as build_workload
-
     workload = cfg.workload
     run_dir = run_dir or cfg.run_dir
     if gpus is not None and gpus < 1 or nodes is not None and nodes < 1:
@@ -313,32 +322,36 @@ def plan_job(
     candidates = _candidates(catalog, gpu)
     if not gpu and nameable is not None:
         candidates = [a for a in candidates if a.slug in nameable]
+    # Everything that needs no model first: the flags, the layout, the provider, the batch over the processes.
     if gpu:
-        layout(candidates[0], world, nodes)  # a layout that cannot run is refused before the workload is built
+        layout(candidates[0], world, nodes)
     if provider:
-        from gpuwise.plan.cost import check_provider
-
         check_provider(catalog, provider)
-    # built once here, on the CPU, to count the data and trace the model
     cfg = replace(cfg, devices=1, num_nodes=1, accelerator="cpu")
     cfg.validate()
-    cfg = cfg.filled(cfg.workload_def().resolve(cfg))
-    print(f"gpuwise: planning {workload}: building it here to count its data and time one step", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix="gpuwise-launch-") as tmp:
-        work = build_workload(cfg, Path(tmp))
-    cfg = cfg.filled(work.defaults)
-    share, _, steps = schedule(cfg, work.train_size, work.steps, world)
-    assert cfg.batch_size is not None  # schedule refuses a config without one
-    strategy = resolve_strategy(cfg.strategy, world)
-    micro = min(share, cfg.micro_batch_size or share)
+    cfg = cfg.resolved()
+    if cfg.batch_size is not None and cfg.batch_size % world:
+        raise GpuwiseError(
+            f"the global batch {cfg.batch_size} must be divisible by the {world} processes (--batch-size)"
+        )
     on_cpu = gpu == "cpu"
     precision = _plan_precision(cfg.precision, candidates[0] if on_cpu else None)
-    fsdp = strategy == "fsdp"
-    memory, flops_per_sample, memory_method = _probe(work, cfg, micro, precision, world, fsdp, not on_cpu)
+    run_plan = _plan_run(cfg, world, on_cpu, precision)
+    cfg, share, steps, micro, strategy = run_plan.cfg, run_plan.share, run_plan.steps, run_plan.micro, run_plan.strategy
+    figures = run_plan.figures
+    assert cfg.batch_size is not None  # laid out: the workload's default filled in
     eff, eff_origin = (efficiency, "--efficiency") if efficiency else (EFFICIENCY.value, EFFICIENCY.origin)
-
-    step_flops = flops_per_sample * share
-    best, alternatives = _choose(candidates, catalog, world, nodes, provider, precision, memory, step_flops, steps, eff)
+    if on_cpu:  # this CPU's nodes: the step time train plans here, calibrated by `gpuwise bench` where it ran
+        eff, eff_origin = figures["efficiency"] or eff, figures["efficiency_origin"] or eff_origin
+    step_flops = figures["flops_per_step"] / world
+    memory_bytes = figures["peak_bytes"]
+    if not on_cpu:  # a CUDA process adds its context and the caching allocator's slack
+        memory_bytes = int(memory_bytes + OVERHEAD_BYTES.value + ALLOCATOR_SLACK.value * memory_bytes)
+    step_s = figures.get("step_time_s")
+    memory_method = run_plan.memory_method
+    best, alternatives = _choose(
+        candidates, catalog, world, nodes, provider, precision, memory_bytes, step_flops, steps, eff, step_s
+    )
     if not best.fits:
         need, have = best.memory_bytes / 2**30, best.capacity_bytes / 2**30
         raise GpuwiseError(
@@ -348,7 +361,7 @@ def plan_job(
         )
     time_limit = time_limit_s or int(math.ceil((best.wall_s * TIME_MARGIN.value + STARTUP_S.value) / 60) * 60)
     cpus = cpus_per_node or (best.per_node * int(CPUS_PER_GPU.value) if not on_cpu else best.per_node)
-    host = mem_per_node_gib or math.ceil(HOST_MEMORY.value * best.per_node * memory / 2**30 + 8)
+    host = mem_per_node_gib or math.ceil(HOST_MEMORY.value * best.per_node * memory_bytes / 2**30 + 8)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run = str(Path(run_dir).resolve()) if run_dir else str(Path.cwd() / "runs" / f"{workload}-{stamp}")
     options = _without_run_dir(options)  # the job's run directory is the one planned here
@@ -356,9 +369,15 @@ def plan_job(
     extra = "" if on_cpu else f", + {OVERHEAD_BYTES.value / 2**30:g} GiB CUDA context, {ALLOCATOR_SLACK.value:.0%} more"
     method = (
         f"memory: {memory_method}, at micro-batch {micro} ({world} process{'es' * (world > 1)}, {strategy}){extra}; "
-        f"time: {steps:,} steps x FLOPs of {share} samples (torch FlopCounterMode) / (dense peak x efficiency), "
-        "as `gpuwise train` projects a run; memory-bound operations, collectives, data loading and evaluation "
-        "not counted"
+        + (
+            f"time: {steps:,} steps x the step `gpuwise train` plans on this CPU (FLOPs / (peak x efficiency) + data "
+            "preparation timed here)"
+            if on_cpu
+            else f"time: {steps:,} steps x FLOPs of {share} samples (torch FlopCounterMode) / (dense peak x "
+            "efficiency), "
+            "as `gpuwise train` projects a run; memory-bound operations, collectives, data loading and evaluation "
+            "not counted"
+        )
     )
     return Job(
         workload,
@@ -377,6 +396,7 @@ def plan_job(
         eff,
         eff_origin,
         method,
+        figures,
     )
 
 
@@ -391,9 +411,11 @@ def _choose(
     step_flops: float,
     steps: int,
     eff: float,
+    cpu_step_s: float | None = None,
 ) -> tuple[Choice, tuple[Choice, ...]]:
     """The best accelerator for the job and the fallbacks on as many nodes: the cheapest whole job first (gpuwise
-    knows its length; a per-hour price alone does not), then the fastest; one that does not fit comes last."""
+    knows its length; a per-hour price alone does not), then the fastest; one that does not fit comes last.
+    `cpu_step_s`: CPU nodes' step time as `gpuwise train` plans it here (else FLOPs / (peak x efficiency))."""
     choices = []
     for acc in candidates:
         prec = precision if acc.peak_tflops(precision) else "fp16"
@@ -401,15 +423,29 @@ def _choose(
         if not peak:
             continue
         n_nodes, per_node = layout(acc, world, nodes)
-        step_s = step_flops / (peak * 1e12 * eff)
+        step_s = cpu_step_s if cpu_step_s and acc.kind != "gpu" else step_flops / (peak * 1e12 * eff)
         wall = steps * step_s
         hours = wall / 3600 * world
         on_cpu = acc.kind != "gpu"
         price = None if on_cpu else _price(catalog, acc, provider)
         usd = hours * price["usd_per_gpu_hour"] if price else None
         choices.append(
-            Choice(acc.slug if not on_cpu else "cpu", acc.name, world, n_nodes, per_node, memory, acc.mem_bytes,
-                   memory <= acc.mem_bytes, step_s, wall, hours, usd, price, prec)  # fmt: skip
+            Choice(
+                acc.slug if not on_cpu else "cpu",
+                acc.name,
+                world,
+                n_nodes,
+                per_node,
+                memory,
+                acc.mem_bytes,
+                memory <= acc.mem_bytes,
+                step_s,
+                wall,
+                hours,
+                usd,
+                price,
+                prec,
+            )  # fmt: skip
         )
     if not choices:
         raise GpuwiseError(f"no accelerator to plan on: none has a {precision} or fp16 peak in the catalog")
@@ -432,6 +468,7 @@ def _plan_precision(requested: str, cpu: Accelerator | None) -> str:
     if requested != "auto":
         return named[requested]
     if cpu is not None:
+        # torch and the workloads: `gpuwise runs`, which reads jobs, starts without them
         from gpuwise.train.engine import resolve_precision
 
         return named[resolve_precision("auto", "cpu")]

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import gpuwise
 from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.launch.engines import RAY_NAME, STATE_TIMEOUT_S, Engine, Options
 from gpuwise.launch.job import Job
@@ -62,8 +63,6 @@ class Ray(Engine):
 
     def spec(self, job: Job, opts: Options) -> dict[str, Any]:
         """The job as `JobSubmissionClient.submit_job` takes it (and `ray job submit` with these fields)."""
-        import gpuwise
-
         c = job.choice
         layout = ["--nodes", str(c.nodes), "--per-node", str(c.per_node), "--cpus", str(job.cpus_per_node),
                   "--threads", str(job.threads), "--job-id", job.name, "--port", str(job.rdzv_port)]  # fmt: skip
@@ -109,6 +108,7 @@ class Ray(Engine):
             alive = [n for n in list_nodes(address=address, timeout=STATE_TIMEOUT_S, detail=True) if n.state == "ALIVE"]
         except Exception as e:  # noqa: BLE001
             raise GpuwiseError(f"cannot list the Ray cluster's nodes at {address}: {first_line(e)}") from None
+        # ray, which only a Ray job's driver needs
         from gpuwise.launch.ray_nodes import bundle_of
 
         c = job.choice

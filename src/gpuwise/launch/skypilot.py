@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import gpuwise
 from gpuwise import __version__
 from gpuwise.errors import GpuwiseError
 from gpuwise.launch.engines import SKY_NAME, STATE_TIMEOUT_S, Engine, Options, dump_yaml, run_client
@@ -45,8 +46,6 @@ def carried(job: Job) -> tuple[Job, dict[str, str]]:
 def source_tree() -> Path | None:
     """The checkout gpuwise runs from, when it is installed from one (pip install -e): SkyPilot syncs it to
     every node as the task's workdir."""
-    import gpuwise
-
     root = Path(gpuwise.__file__).resolve().parents[2]
     return root if (root / "pyproject.toml").is_file() and (root / "src" / "gpuwise").is_dir() else None
 

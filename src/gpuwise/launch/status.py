@@ -6,16 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gpuwise.errors import GpuwiseError
+from gpuwise.errors import GpuwiseError, first_line
+from gpuwise.files import read_run_file
 from gpuwise.launch.job import duration
+from gpuwise.launch.registry import engines
 from gpuwise.results import LaunchRecord, TrainSummary
 
 
 def summary_of(run_dir: str) -> TrainSummary | None:
     """The run's summary.json, where this machine sees the run directory (a shared file system)."""
     import json
-
-    from gpuwise.files import read_run_file
 
     path = Path(run_dir) / "summary.json"
     if not path.is_file():
@@ -28,13 +28,10 @@ def summary_of(run_dir: str) -> TrainSummary | None:
 
 
 def status(record: LaunchRecord) -> dict[str, Any]:
-    from gpuwise.launch.registry import engines
-
     engine = engines().get(record.engine)
     try:
         state = engine.state(record.job_id, record.engine_options) if engine else "UNKNOWN"
     except Exception as e:  # noqa: BLE001 - an engine's client answering oddly: the row says so, the list goes on
-        from gpuwise.errors import first_line
 
         state = f"unknown ({e if isinstance(e, GpuwiseError) else first_line(e)})"
     out: dict[str, Any] = {"state": state}

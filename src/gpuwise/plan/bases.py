@@ -13,7 +13,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuwise.errors import GpuwiseError
+from gpuwise.errors import GpuwiseError, closest
 
 GGUF_MAGIC = b"GGUF"
 
@@ -49,8 +49,6 @@ def named_base_path(name: str) -> Path:
     """The file a named base resolves to, checked to be there, whole enough and a GGUF; or one line saying why not."""
     key = name.strip().lower()
     if key not in NAMED_BASES:
-        from gpuwise.errors import closest
-
         raise GpuwiseError(f"unknown named base '{name}'{closest(key, NAMED_BASES)}; known: {', '.join(NAMED_BASES)}")
     base = NAMED_BASES[key]
     try:

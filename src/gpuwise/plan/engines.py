@@ -9,6 +9,8 @@ import re
 import shlex
 from dataclasses import dataclass
 
+from gpuwise.plan.bases import NAMED_BASES, named_base_path
+
 ENGINES = ("auto", "gpuwise", "vllm", "llama.cpp")
 # --engine auto on a CPU: llama.cpp for a quantized GGUF at this many streams (--max-seqs) or fewer, where it is
 # installed; gpuwise's engine above (benchmarks/llm_serve_load.py, docs/serving.md "Three engines")
@@ -171,8 +173,6 @@ class VLLMArgs:
 
 
 def _named_bases() -> set[str]:
-    from gpuwise.plan.bases import NAMED_BASES
-
     return set(NAMED_BASES)
 
 
@@ -221,7 +221,6 @@ def serving_plan(result: dict, model_ref: str, source: str, gen: int, kind: str)
     out["vllm"], out["command"] = args.args(), args.command()
     out["summary"] = args.summary()
     if engine == "llama.cpp":  # the GGUF as it ships; the slots and their KV cache from the plan
-        from gpuwise.plan.bases import named_base_path
 
         lcpp = LlamaCppArgs(
             model=str(named_base_path(model_ref)) if model_ref in _named_bases() else model_ref,

@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from gpuwise.errors import GpuwiseError, closest
+from gpuwise.files import read_text_file
+from gpuwise.plan.bases import NAMED_BASES, named_base_path
 from gpuwise.plan.gguf import GGUFArray, read_gguf_header
 from gpuwise.plan.gguf import shown as _shown
 from gpuwise.plan.presets import PRESETS
@@ -193,8 +195,6 @@ def _checked(spec: ModelSpec) -> ModelSpec:
 
 def from_hf_config(path: Path) -> ModelSpec:
     """Read a Hugging Face config.json (a file or a model directory)."""
-    from gpuwise.files import read_text_file
-
     if path.is_dir():
         path = path / "config.json"
     text = read_text_file(path, "model config", "a config.json")
@@ -362,8 +362,6 @@ def from_gguf(path: Path, name: str | None = None) -> ModelSpec:
 
 def resolve_model(text: str) -> ModelSpec:
     """MODEL as the CLI takes it: a preset name, a named base, a .gguf or config.json path, or key=value dimensions."""
-    from gpuwise.plan.bases import NAMED_BASES, named_base_path
-
     key = text.strip().lower()
     if not key:
         raise GpuwiseError("--model is empty: give a preset, a named base, a .gguf or config.json path or dimensions")

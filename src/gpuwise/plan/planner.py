@@ -11,10 +11,12 @@ from gpuwise.hardware.reference import GiB
 from gpuwise.plan import advice
 from gpuwise.plan.compute import Compute, compute
 from gpuwise.plan.cost import check_provider, cloud_costs, onprem_cost
+from gpuwise.plan.engines import serving_plan
 from gpuwise.plan.memory import BYTES, Memory, memory, trainable_params
-from gpuwise.plan.model import ModelSpec
-from gpuwise.plan.request import Layout, PlanRequest, validate
+from gpuwise.plan.model import ModelSpec, resolve_model
+from gpuwise.plan.request import Layout, PlanRequest, check_flags, validate
 from gpuwise.results import PlanResult
+from gpuwise.runs import db
 
 MAX_BATCH = 4096
 
@@ -220,10 +222,6 @@ def plan_for(model: str, req: PlanRequest, catalog: Catalog) -> tuple[dict[str, 
     """What `gpuwise plan --model MODEL` answers, and `gpuwise ui`'s plan page: the plan with this machine's
     bench calibration; and a warning when the run record could not be read for it (the plan is then made
     without the calibration)."""
-    from gpuwise.plan.model import resolve_model
-    from gpuwise.plan.request import check_flags
-    from gpuwise.runs import db
-
     check_flags(req)  # before the model is read: the cheapest mistakes first
     warning = None
     try:
@@ -234,7 +232,6 @@ def plan_for(model: str, req: PlanRequest, catalog: Catalog) -> tuple[dict[str, 
     spec = resolve_model(model)
     result = make_plan(spec, req, catalog)
     if req.task == "inference" and result.get("fits"):  # how `gpuwise serve` would serve it there
-        from gpuwise.plan.engines import serving_plan
 
         kind = catalog.get(result["gpu"]).kind
         result["serving"] = serving_plan(result, model, spec.source, req.gen or 0, kind)

@@ -18,7 +18,10 @@ from torch.utils._pytree import tree_flatten
 
 from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.hardware.catalog import Accelerator
+from gpuwise.plan.optim import adamw
 from gpuwise.plan.request import ALLOCATOR_SLACK, EFFICIENCY, OVERHEAD_BYTES
+from gpuwise.plan.sharding import fully_shard_model
+from gpuwise.results import TracedPlan
 
 
 class Roofline(TorchDispatchMode):
@@ -226,22 +229,21 @@ def _trace(name: str, build, acc: Accelerator, precision: str, peak: float, mesh
     return Traced(name, memory, roof.flops, roof.bytes, roof.seconds)
 
 
-def traced_step(build, precision: str, mesh=None, roof: TorchDispatchMode | None = None, device: str = "cpu") -> dict:
+def traced_step(
+    build, precision: str, mesh=None, roof: TorchDispatchMode | None = None, device: str = "cpu", mode=None
+) -> dict:
     """Peak memory by category (and "tensors", their sum at the peak) of the second of two training steps
-    of `build()`'s (model, loss_fn), run on fake tensors; `roof` counts the second step's work."""
+    of `build()`'s (model, loss_fn), run on fake tensors (under `mode`, where the model is fake already);
+    `roof` counts the second step's work."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from gpuwise.plan.optim import adamw
-
     autocast = precision in ("bf16", "fp16")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with mode or FakeTensorMode(allow_non_fake_inputs=True):
         model, loss_fn = build()
         if mesh is not None:
-            from gpuwise.plan.sharding import fully_shard_model
-
             model = fully_shard_model(model, mesh)  # as `gpuwise train --strategy fsdp` shards it
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = adamw(trainable, 1e-4, device, sharded=mesh is not None)  # the optimizer `gpuwise train` makes
@@ -264,23 +266,23 @@ def traced_step(build, precision: str, mesh=None, roof: TorchDispatchMode | None
     return _by_category(next(iter(tracker.get_tracker_snapshot("peak").values())))
 
 
-def traced_run_memory(model, loss, batch: dict, precision: str, device: str) -> int:
+def traced_run_memory(model, loss, batch: dict, precision: str, device: str, mode=None) -> int:
     """Peak tensor bytes of one training step of a run's own model (its weights copied as fake tensors, so
-    no memory is taken) on `batch`: what `gpuwise train` plans for a model the analytic formulas do not
-    cover. `loss(model, batch)` is the workload's loss; precision "bf16", "fp16" or "fp32"."""
+    no memory is taken; a model on fake tensors already, of FakeTensorMode `mode`, as it is) on `batch`: what
+    `gpuwise train` plans for a model the analytic formulas do not cover. `loss(model, batch)` is the
+    workload's loss; precision "bf16", "fp16" or "fp32"."""
     import copy
 
     def build():
-        fake = copy.deepcopy(model)  # under FakeTensorMode: every parameter and buffer becomes a fake tensor
+        # under FakeTensorMode: every parameter and buffer of the copy becomes a fake tensor
+        fake = model if mode is not None else copy.deepcopy(model)
         return fake, lambda: loss(fake, batch)
 
-    return int(traced_step(build, precision, device=device)["tensors"])
+    return int(traced_step(build, precision, device=device, mode=mode)["tensors"])
 
 
 def traced_plan(name: str, build, acc: Accelerator, precision: str, efficiency: float | None, shards: int = 1) -> dict:
     """The traced plan as JSON, checked against its declared shape (results.TracedPlan)."""
-    from gpuwise.results import TracedPlan
-
     t = trace(name, build, acc, precision, shards)
     eff, origin = (efficiency, "--efficiency") if efficiency else (EFFICIENCY.value, EFFICIENCY.origin)
     return TracedPlan.build(

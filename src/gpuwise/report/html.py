@@ -13,7 +13,9 @@ from typing import Any
 from jinja2 import DictLoader, Environment
 from pydantic import ValidationError
 
+from gpuwise.bench.chart import draw
 from gpuwise.errors import GpuwiseError, first_line
+from gpuwise.files import MAX_FILE_BYTES, MAX_METRICS_BYTES, read_run_file
 from gpuwise.hardware.reference import GiB
 from gpuwise.report import plots
 from gpuwise.results import BenchResult, PlanResult, TrainSummary, problem
@@ -106,8 +108,6 @@ def _figure(png: bytes, alt: str) -> dict[str, Any]:
 
 def _read_run(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """summary.json and metrics.jsonl of a finished run, or one line saying which is missing or damaged."""
-    from gpuwise.files import MAX_FILE_BYTES, MAX_METRICS_BYTES, read_run_file
-
     texts = {}
     for name, limit in (("summary.json", MAX_FILE_BYTES), ("metrics.jsonl", MAX_METRICS_BYTES)):
         try:
@@ -250,8 +250,6 @@ def plan_report(record: dict[str, Any]) -> str:
 
 def bench_report(record: dict[str, Any]) -> str:
     import tempfile
-
-    from gpuwise.bench.chart import draw
 
     d = BenchResult.load(record["data"])
     with tempfile.TemporaryDirectory() as tmp:

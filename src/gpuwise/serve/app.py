@@ -22,6 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
 from gpuwise.errors import GpuwiseError
+from gpuwise.files import read_run_file
 from gpuwise.results import TrainSummary
 from gpuwise.serve.batcher import DynamicBatcher, ServeMetrics
 from gpuwise.serve.hosts import WebPolicy, allowed_hosts
@@ -214,8 +215,6 @@ def _trained(run_dir: str) -> TrainSummary | None:
     """The served run's summary (read through the typed result), or None where it cannot be read."""
     import json
     from pathlib import Path
-
-    from gpuwise.files import read_run_file
 
     try:
         return TrainSummary.load(json.loads(read_run_file(Path(run_dir) / "summary.json", "run summary", "JSON")))

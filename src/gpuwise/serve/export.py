@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from gpuwise.errors import GpuwiseError, first_line, loading_model
+from gpuwise.train.records import load_config, require_finished
 from gpuwise.workloads.serving import onnx_forward
 
 __all__ = ["compare_with_torch", "export_onnx", "load_torch", "onnx_forward"]
@@ -26,8 +27,6 @@ __all__ = ["compare_with_torch", "export_onnx", "load_torch", "onnx_forward"]
 
 def load_torch(run_dir: Path):
     """(cfg, workload, module to export in eval mode, example input, meta) of a finished run, or one line."""
-    from gpuwise.train.records import load_config, require_finished
-
     cfg = load_config(run_dir)
     workload = cfg.workload_def()
     if workload.onnx is None:

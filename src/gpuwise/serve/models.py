@@ -13,8 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from gpuwise.errors import GpuwiseError, loading_model
 from gpuwise.hardware.devices import llm_device_dtype
+from gpuwise.plan.bases import NAMED_BASES
+from gpuwise.plan.model import read_gguf_header
 from gpuwise.serve.engines.gpuwise.backend import WHY, gpuwise_backends
+from gpuwise.serve.engines.llamacpp import DTYPES, LlamaCppBackend
+from gpuwise.serve.engines.vllm import VLLMBackend
 from gpuwise.serve.llm.core import LLM
+from gpuwise.train.records import open_finished
+from gpuwise.workloads.pretrained import SCRATCH, quiet_transformers, resolve_base
 from gpuwise.workloads.serving import CausalLM, Limits, Served
 
 if TYPE_CHECKING:
@@ -68,8 +74,6 @@ def gpuwise_llm(groups: list, limits: Limits, dtype: str, why: str, **about: str
 def load_served(
     run_dir: Path, runtime: str, limits: Limits, dtype: str = "auto", why: str = WHY
 ) -> tuple[Served, object]:
-    from gpuwise.train.records import open_finished  # serve's start only, where a run is given
-
     cfg = open_finished(run_dir)
     with loading_model(run_dir):
         served = cfg.workload_def().serve(run_dir, cfg, runtime, limits)
@@ -81,8 +85,6 @@ def load_served(
 
 def _is_lm_run(path: Path) -> bool:
     """Whether a finished run is a language model's (served behind the OpenAI API, on any engine)."""
-    from gpuwise.train.records import open_finished
-
     return open_finished(path).workload_def().inputs == "prompts"
 
 
@@ -94,8 +96,6 @@ def is_model(ref: str) -> bool:
     """Whether `gpuwise serve REF` names a model rather than a run: a named base, a .gguf file, a directory
     with config.json and no config.yaml, or what can only be a hub id. Anything else is read as a run, so a
     damaged run gets the run's errors."""
-    from gpuwise.plan.bases import NAMED_BASES
-
     path = Path(ref).expanduser()
     if ref in NAMED_BASES or path.suffix.lower() == ".gguf":
         return True
@@ -122,8 +122,6 @@ def check_gguf(ref: str) -> None:
     safetensors, cached by the file's digest, so once per file), and a file truncated by another process during
     that read ends the process with SIGBUS. Converting from a private copy would close it at the cost of copying
     gigabytes, and the race needs another process that can write the file, so it is left open."""
-    from gpuwise.plan.model import read_gguf_header
-
     path = Path(ref).expanduser()
     if path.suffix.lower() == ".gguf" and path.exists():
         read_gguf_header(path)
@@ -132,8 +130,6 @@ def check_gguf(ref: str) -> None:
 def load_model(ref: str, limits: Limits, name: str | None = None, dtype: str = "auto", why: str = WHY) -> LLM:
     """A language model that is not a gpuwise run (a named base, a .gguf file, a model directory, a hub
     id) behind the OpenAI API, on gpuwise's engine."""
-    from gpuwise.workloads.pretrained import quiet_transformers, resolve_base
-
     check_gguf(ref)
     quiet_transformers()
     source = resolve_base(ref, flag="serve")
@@ -154,9 +150,6 @@ def model_groups(
     """`--model NAME=REF` specs -> {the base's source: [(name, its LoRA adapter or None)]}. A language-model
     LoRA run is its adapter over its base: runs over the same base share one copy of it. `given`, where passed,
     gets {source: the first REF that named it} for the models given directly (a named base, a .gguf file)."""
-    from gpuwise.train.records import open_finished
-    from gpuwise.workloads.pretrained import SCRATCH, quiet_transformers, resolve_base
-
     quiet_transformers()
     groups: dict[str, list[tuple[str, Path | None]]] = {}
     for name, ref in specs:
@@ -217,8 +210,6 @@ def load_vllm(specs: list[tuple[str, str]], limits: Limits, dtype: str, python: 
 
 def vllm_backends(specs: list[tuple[str, str]], limits: Limits, dtype: str, device: str, python: str, timeout_s: float):
     """[(VLLMBackend, [(model id, adapter)])]: one started vLLM server per base."""
-    from gpuwise.serve.engines.vllm import VLLMBackend
-
     def make(ref, source, tok, config, entries):
         return VLLMBackend(source, tok, config, entries, limits, dtype, device).start(python, timeout_s)
 
@@ -234,8 +225,6 @@ def load_llamacpp(specs: list[tuple[str, str]], limits: Limits, dtype: str, bina
 
 def llamacpp_backends(specs: list[tuple[str, str]], limits: Limits, dtype: str, binary: Path, timeout_s: float):
     """[(LlamaCppBackend, [(model id, adapter)])]: one started llama-server per base."""
-    from gpuwise.serve.engines.llamacpp import DTYPES, LlamaCppBackend
-
     if dtype not in DTYPES:
         raise GpuwiseError(f"--dtype {dtype}: llama.cpp serves {', '.join(DTYPES)}")
 

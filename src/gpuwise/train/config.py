@@ -138,6 +138,12 @@ class TrainConfig:
             if not ok:
                 raise GpuwiseError(f"{where}: {f.name} must be {' or '.join(allowed)}, not {value!r}")
 
+    def resolved(self, untrusted_dir: Path | None = None) -> TrainConfig:
+        """The config with its workload's `resolve` filled in: the options that follow from others (a base's
+        method). The first step of the one resolution train, launch and the record all make: this, then the
+        workload's defaults and the layout (`train.setup.lay_out`). A no-op on a config resolved already."""
+        return self.filled(self.workload_def(untrusted_dir).resolve(self))
+
     def filled(self, defaults: dict) -> TrainConfig:
         """A copy with `defaults` ({field: value}: the workload's) in the fields the flags left unset; keys that
         are not fields (a workload's weight_decay) are ignored."""

@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from gpuwise.hardware.cpu import meminfo
+
 INJECT_ENV = "GPUWISE_INJECT_OOM"  # tests: "STEP[,STEP...]" raises one OOM at each of those steps
 
 
@@ -34,7 +36,6 @@ def available_bytes(accelerator: str, device_index: int = 0) -> int | None:
     if accelerator == "cuda":
         free, _ = torch.cuda.mem_get_info(device_index)
         return int(free)
-    from gpuwise.hardware.cpu import meminfo
 
     return meminfo("MemAvailable")
 

@@ -30,6 +30,7 @@ from gpuwise.train.records import is_finished, load_config
 from gpuwise.train.rng import forward_rng, rng_state, set_forward_rng
 from gpuwise.train.runplan import RunPlan, plan_run
 from gpuwise.train.setup import Run, say
+from gpuwise.train.summary import summarize
 
 
 @functools.lru_cache(maxsize=1)  # every step of an epoch slices one order; no step needs an older one
@@ -83,7 +84,7 @@ def _progress(console, total: int, start: int):
 def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dict | None:
     """Train the workload `cfg` names (or resume the run in `resume_dir`); the summary on rank 0."""
     cfg.validate()
-    cfg = cfg.filled(cfg.workload_def().resolve(cfg))  # options that follow from others, set before the build
+    cfg = cfg.resolved()  # options that follow from others, set before the build
     fabric, accelerator, precision, strategy = make_fabric(cfg)
     rec, claim = setup.claim(cfg, fabric, resume_dir)
     try:
@@ -313,7 +314,6 @@ def _finish(run: Run, plan: RunPlan, progress: setup.Progress, meters: Meters, l
             raw = run.twin
     files = run.work.save(raw, run.run_dir) if fabric.is_global_zero else []
     fabric.barrier()
-    from gpuwise.train.summary import summarize
 
     step_peak = meters.step_peak
     return summarize(

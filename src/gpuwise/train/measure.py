@@ -13,7 +13,12 @@ from typing import Any
 
 import torch
 
+from gpuwise.hardware.catalog import load_catalog, match_device
+from gpuwise.hardware.cpu import detect_cpu, release_freed_memory
+from gpuwise.plan.optim import adamw
 from gpuwise.plan.request import EFFICIENCY
+from gpuwise.runs.db import calibration, workload_key
+from gpuwise.workloads.registry import get
 
 
 def probe_step(model, loss_fn, batch: dict) -> tuple[float, int]:
@@ -21,16 +26,16 @@ def probe_step(model, loss_fn, batch: dict) -> tuple[float, int]:
     backward (saved-tensor hooks). Gradients are cleared afterwards; the caller restores RNG."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    saved = 0
-    seen: set[int] = set()
+    # Parameters cost nothing new. Each other storage counts once, for the distinct views of it saved, at most
+    # its size: a storage that holds more than was saved of it (FSDP's all-gather buffer, of which one weight is
+    # saved) is not all the step's, and views of one tensor (a transpose, q, k and v split) are not counted twice.
+    views: dict[int, tuple[int, set]] = {}
 
     def pack(t):
-        nonlocal saved
-        # Parameters and views of one storage are counted once: only new storage costs memory.
-        key = t.untyped_storage().data_ptr()
-        if key not in seen and not isinstance(t, torch.nn.Parameter):
-            seen.add(key)
-            saved += t.untyped_storage().nbytes()
+        if not isinstance(t, torch.nn.Parameter):
+            storage = t.untyped_storage()
+            key = storage._cdata  # the storage itself: a fake tensor has no data pointer
+            views.setdefault(key, (storage.nbytes(), set()))[1].add((t.storage_offset(), t.numel(), t.element_size()))
         return t
 
     counter = FlopCounterMode(display=False)
@@ -38,14 +43,21 @@ def probe_step(model, loss_fn, batch: dict) -> tuple[float, int]:
         loss_fn(model, batch).backward()
     for p in model.parameters():
         p.grad = None
+    saved = sum(min(size, sum(n * e for _, n, e in seen)) for size, seen in views.values())
     return float(counter.get_total_flops()), saved
+
+
+def stored_bytes(p) -> int:
+    """A parameter's bytes as stored: its elements, or what a model planned on fake tensors says it will
+    take (`stored_bytes`: an NF4 weight, half a byte each, as bitsandbytes stores it)."""
+    return getattr(p, "stored_bytes", p.numel() * p.element_size())
 
 
 def state_bytes(model, optimizer_state_per_param: int = 8) -> int:
     """Weights + gradients + AdamW moments of the trainable parameters (fp32 moments)."""
     total = 0
     for p in model.parameters():
-        total += p.numel() * p.element_size()
+        total += stored_bytes(p)
         if p.requires_grad:
             total += p.numel() * (p.element_size() + optimizer_state_per_param)
     return total
@@ -53,8 +65,6 @@ def state_bytes(model, optimizer_state_per_param: int = 8) -> int:
 
 def _cuda_row(device_index: int):
     """(torch's name for the GPU, its catalog row or None)."""
-    from gpuwise.hardware.catalog import load_catalog, match_device
-
     name = torch.cuda.get_device_name(device_index)
     return name, match_device(load_catalog(), name)
 
@@ -69,8 +79,6 @@ def peak_flops(accelerator: str, precision: str, device_index: int = 0) -> tuple
         tflops = (acc.bf16_tflops if precision.startswith("bf16") else acc.fp16_tflops) if low else acc.fp32_tflops
         return (tflops * 1e12 if tflops else None), f"catalog {acc.slug} dense {'16-bit' if low else 'fp32'} peak"
     if accelerator == "cpu":
-        from gpuwise.hardware.cpu import detect_cpu
-
         cpu = detect_cpu()
         gflops = cpu.bf16_peak_gflops if low and cpu.bf16_peak_gflops else cpu.fp32_peak_gflops
         return (gflops * 1e9 if gflops else None), f"CPU derived peak: {cpu.derivation}"
@@ -83,8 +91,6 @@ def device_key(accelerator: str, device_index: int = 0) -> str:
         name, acc = _cuda_row(device_index)
         return f"cuda:{acc.slug if acc else name}"
     if accelerator == "cpu":
-        from gpuwise.hardware.cpu import detect_cpu
-
         return f"cpu:{detect_cpu().model}"
     return accelerator
 
@@ -92,8 +98,6 @@ def device_key(accelerator: str, device_index: int = 0) -> str:
 def step_efficiency(device: str, workload: str, precision: str) -> tuple[float, str]:
     """The share of peak this workload's step reached in `gpuwise bench` on this device at this precision,
     else the default."""
-    from gpuwise.runs.db import calibration, workload_key
-
     found = calibration(device, workload_key(workload, precision))
     return found or (EFFICIENCY.value, EFFICIENCY.origin)
 
@@ -102,8 +106,6 @@ def timed_step(device: str, workload: str, precision: str, samples: int, params:
     """Seconds per step from what `gpuwise bench` timed on this device, a part per sample and a part
     per trainable parameter: the time model for a step torch counts no FLOPs in (a ranking model's
     embedding lookups and dot products). None before bench has run here."""
-    from gpuwise.runs.db import calibration, workload_key
-
     key = workload_key(workload, precision)
     per_sample = calibration(device, f"{key}.s_per_sample")
     per_param = calibration(device, f"{key}.s_per_param")
@@ -115,8 +117,6 @@ def timed_step(device: str, workload: str, precision: str, samples: int, params:
 def per_step_part(device: str, workload: str, precision: str) -> tuple[float, float, str] | None:
     """(seconds per step, share of peak of the FLOPs beyond it, origin) where `gpuwise bench` timed this
     workload's step at two batch sizes on this device at this precision; None before that."""
-    from gpuwise.runs.db import calibration, workload_key
-
     key = workload_key(workload, precision)
     fixed = calibration(device, f"{key}.s_per_step")
     marginal = calibration(device, f"{key}.flop_fraction")
@@ -194,8 +194,6 @@ class PeakMemory:
 
     def _reset_hwm(self) -> bool:
         try:
-            from gpuwise.hardware.cpu import release_freed_memory
-
             release_freed_memory()  # memory kept from set-up would hide the steps' own growth
             Path("/proc/self/clear_refs").write_text("5")
             self._status("VmHWM")
@@ -347,9 +345,6 @@ def real_step(workload: str) -> tuple[float, float]:
     first step that creates the optimizer states. Memory: the profiler's allocations on top of the states
     (StepPeak), an independent check on the traced planner."""
     from torch.utils.flop_counter import FlopCounterMode
-
-    from gpuwise.plan.optim import adamw
-    from gpuwise.workloads.registry import get
 
     torch.manual_seed(0)
     model, loss_fn, _, _ = get(workload).bench_step(torch.device("cpu"))

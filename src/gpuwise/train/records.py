@@ -224,7 +224,7 @@ def open_finished(run_dir: Path) -> TrainConfig:
     it (`Workload.resolve`; a run recorded before that hook kept its options unset); one line if it is not one."""
     cfg = load_config(run_dir)
     require_finished(run_dir)
-    return cfg.filled(cfg.workload_def().resolve(cfg))
+    return cfg.resolved()
 
 
 def _metric_lines(path: Path):

@@ -7,17 +7,17 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from gpuwise.hardware.catalog import load_catalog
 from gpuwise.hardware.reference import CONV_GPUS, LAMBDA_RESNET50, LAMBDA_SOURCE, PROJECT_ON, RESNET50_TRAIN_FLOPS, GiB
 from gpuwise.plan.request import EFFICIENCY
 from gpuwise.results import GpuProjection, TrainSummary
+from gpuwise.runs.db import TIMED_PRECISIONS
 
 
 def projection(summary: TrainSummary, convolutional: bool) -> list[GpuProjection]:
     """The run's counted FLOPs at the rate each GPU sustains, in the precision `gpuwise train` would
     pick there: for a CNN the rate Lambda measured on ResNet-50; for the rest the dense peak x the
     default efficiency. A projection, not a measurement; none when torch counts no FLOPs (embeddings)."""
-    from gpuwise.hardware.catalog import load_catalog
-
     flops = (summary.flops_per_step or 0) * summary.steps
     if not flops:
         return []
@@ -159,8 +159,6 @@ def _plan_vs_actual(console: Console, s: TrainSummary) -> None:
         console.print(f"[dim]plan efficiency {plan.efficiency:.3g}: {plan.efficiency_origin}[/]")
     if plan.efficiency_origin == EFFICIENCY.origin and s.device.startswith("cpu"):
         # a published GPU figure says little of a CPU's step: the plan's time is a guess until bench has run
-        from gpuwise.runs.db import TIMED_PRECISIONS
-
         how = (
             f"`gpuwise bench --quick --precision {s.precision}` calibrates it for the next run"
             if s.precision in TIMED_PRECISIONS

@@ -20,6 +20,7 @@ from gpuwise.train import checkpoint
 from gpuwise.train.config import TrainConfig
 from gpuwise.train.records import Recorder, RunClaim
 from gpuwise.train.rng import set_rng_state
+from gpuwise.workloads import build as build_workload
 from gpuwise.workloads.base import Training
 
 
@@ -85,6 +86,26 @@ def schedule(cfg: TrainConfig, train_size: int, steps: int | None, world: int) -
     return cfg.batch_size // world, per_epoch, steps
 
 
+def lay_out(cfg: TrainConfig, work: Training, world: int, accelerator: str, precision: str, strategy: str) -> Layout:
+    """The last steps of the one resolution of a run's config (after `TrainConfig.resolved` and the build): the
+    workload's defaults filled in, then the layout over `world` processes. `gpuwise train` and `gpuwise launch`
+    both lay a run out here."""
+    cfg = cfg.filled(work.defaults)
+    share, per_epoch, total = schedule(cfg, work.train_size, work.steps, world)
+    return Layout(
+        cfg,
+        accelerator,
+        precision,
+        strategy,
+        world,
+        share,
+        per_epoch,
+        total,
+        ckpt_every=cfg.checkpoint_every or max(1, total // 10),
+        weight_decay=work.defaults.get("weight_decay", 0.01),
+    )
+
+
 @dataclass
 class Progress:
     """What moves as the run goes: the step, the micro-batch (halved on an out-of-memory error), the OOM
@@ -144,24 +165,10 @@ def build(cfg: TrainConfig, fabric, accelerator: str, precision: str, strategy: 
     """The workload built, its defaults filled into the config (saved as config.yaml), the run's layout, and
     the model, optimizer and schedule set up by Fabric."""
     fabric.seed_everything(cfg.seed, verbose=False)
-    from gpuwise.workloads import build as build_workload
 
     work = build_workload(cfg, rec.run_dir)
-    cfg = cfg.filled(work.defaults)
-    rec.save_config(cfg)
-    share, per_epoch, total = schedule(cfg, work.train_size, work.steps, fabric.world_size)
-    layout = Layout(
-        cfg,
-        accelerator,
-        precision,
-        strategy,
-        fabric.world_size,
-        share,
-        per_epoch,
-        total,
-        ckpt_every=cfg.checkpoint_every or max(1, total // 10),
-        weight_decay=work.defaults.get("weight_decay", 0.01),
-    )
+    layout = lay_out(cfg, work, fabric.world_size, accelerator, precision, strategy)
+    rec.save_config(layout.cfg)
     model = work.model
     # FSDP shards the model in place, yet the saved model must be whole: rank 0 keeps an unsharded
     # twin (one more copy in host memory) to load the gathered weights into at the end.
@@ -171,7 +178,7 @@ def build(cfg: TrainConfig, fabric, accelerator: str, precision: str, strategy: 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = adamw(params, layout.lr, accelerator, layout.weight_decay, sharded=strategy == "fsdp")
     optimizer = fabric.setup_optimizers(optimizer)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(layout.total))
     return Run(layout, fabric, rec, work, model, twin, optimizer, scheduler)
 
 

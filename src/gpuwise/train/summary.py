@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 
 from gpuwise.results import TrainSummary
+from gpuwise.runs.db import try_record
+from gpuwise.train.report import projection
 from gpuwise.train.runplan import RunPlan
 from gpuwise.train.setup import Progress, Run
 
@@ -78,13 +80,9 @@ def summarize(
         }
     )
 
-    from gpuwise.train.report import projection
-
     # a run of no steps of its own (a model assembled from its parts) has no time to project
     summary.projection = projection(summary, cfg.workload_def().convolutional) if steps else []
     if rank_zero:
-        from gpuwise.runs.db import try_record
-
         summary.record_id = try_record("train", plan.device_key, cfg.workload, summary.dump(), run_dir=str(run_dir))
     rec.summary(summary.dump())
     rec.close()

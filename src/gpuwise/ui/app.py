@@ -10,21 +10,32 @@ field it is about; nothing a user types gives a 5xx.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import math
 import secrets
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from gpuwise.errors import GpuwiseError
+from gpuwise.files import to_json
+from gpuwise.hardware.catalog import load_catalog
+from gpuwise.plan.planner import plan_for
+from gpuwise.plan.presets import PRESETS
+from gpuwise.plan.request import TASKS, PlanRequest
+from gpuwise.report.html import run_report
 from gpuwise.serve.app import Guard
-from gpuwise.ui.endpoints import MAX_BODY
+from gpuwise.serve.hosts import WebPolicy
+from gpuwise.serve.hosts import allowed_hosts as names
+from gpuwise.ui.endpoints import MAX_BODY, describe, forward, servable
+from gpuwise.ui.records import bench_rows, run_detail, run_path, run_rows
 from gpuwise.workloads.serving import Limits
 
 STATIC = Path(__file__).parent / "static"
@@ -61,10 +72,6 @@ def plan_request(params: dict[str, str]):
     """The form's query string as a PlanRequest, its fields under `gpuwise plan`'s names (dashes for
     underscores), unset ones at the request's own defaults: each number parsed here, each range checked by
     the planner."""
-    from dataclasses import fields
-
-    from gpuwise.plan.request import PlanRequest
-
     # the field's type as written ("int | None", "float | None", "str", "bool"): its first word says how to parse
     kinds = {f.name: str(f.type).split()[0] for f in fields(PlanRequest)}
     values: dict[str, Any] = {}
@@ -137,9 +144,6 @@ def create_app(
     A ui holding an endpoint's key never lends it to whoever reaches it: without a key of its own it makes a
     per-launch token (as Jupyter does), the returned app's `.token`, required as the key. `gpuwise ui` prints
     the URL with ?token=...; the page's first load with it sets the key cookie, then drops it from the URL."""
-    from gpuwise.serve.hosts import WebPolicy
-    from gpuwise.serve.hosts import allowed_hosts as names
-
     endpoints = endpoints or []
     token = secrets.token_urlsafe(32) if key is None and any(ep.key for ep in endpoints) else None
     key = key or token
@@ -165,119 +169,129 @@ def create_app(
     return app
 
 
-def _app(catalog_files: list[Path] | None, runs_dir: Path, endpoints: list, key: str | None) -> FastAPI:
-    from gpuwise.hardware.catalog import load_catalog
+@dataclass(frozen=True)
+class UiState:
+    """What the routes read: the catalog files, the runs directory, the endpoints, and the key."""
 
+    catalog_files: list[Path] | None
+    runs_dir: Path
+    endpoints: list
+    key: str | None
+
+
+def _state(request: Request) -> UiState:
+    return request.app.state.ui
+
+
+def _app(catalog_files: list[Path] | None, runs_dir: Path, endpoints: list, key: str | None) -> FastAPI:
     load_catalog(catalog_files)  # a broken --catalog is one line at start, not a 400 on every plan
     app = FastAPI(title="gpuwise ui", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ui = UiState(catalog_files, runs_dir, endpoints, key)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-
-    @app.exception_handler(GpuwiseError)
-    async def _refused(request: Request, e: GpuwiseError) -> JSONResponse:
-        message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
-        field = e.field if isinstance(e, FieldError) else _field_of(message)
-        model = request.query_params.get("model", "").strip()
-        if field is None and model and model in message:  # the model file or name could not be read
-            field = "model"
-        return JSONResponse({"error": message, "field": field}, status_code=400)
-
-    @app.get("/", include_in_schema=False)
-    async def index(request: Request) -> Response:
-        given = request.query_params.get("token")
-        if given is not None and key is not None and hmac.compare_digest(given.encode(), key.encode()):
-            # The printed URL's token becomes the key cookie the page's calls carry, and leaves the address
-            # bar (and the history) by a redirect to the same page without it.
-            rest = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "token"])
-            page = RedirectResponse("/" + (f"?{rest}" if rest else ""), 303, headers={"Cache-Control": "no-store"})
-            cookie = f"{COOKIE.decode()}={quote(given, safe='')}; Path=/; HttpOnly; SameSite=Strict"
-            page.headers.append("set-cookie", cookie)
-            return page
-        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
-
-    @app.get("/api/options")
-    def options() -> dict[str, Any]:
-        from gpuwise.plan.presets import PRESETS
-        from gpuwise.plan.request import TASKS
-
-        catalog = load_catalog(catalog_files)
-        return {
-            "presets": sorted(PRESETS),
-            "tasks": list(TASKS),
-            "precisions": ["bf16", "fp16", "fp8", "fp32"],
-            "optimizers": ["adamw", "adamw-8bit", "sgd"],
-            "checkpointing": ["none", "selective", "full"],
-            "gpus": [
-                {"slug": a.slug, "name": a.name, "memory_gb": a.mem_gb}
-                for a in sorted(catalog.accelerators.values(), key=lambda a: a.slug)
-                if a.kind != "cpu"
-            ],
-            "providers": sorted({p.provider for p in catalog.cloud}),
-        }
-
-    @app.get("/api/plan")
-    def plan(request: Request) -> JSONResponse:
-        from gpuwise.files import to_json
-        from gpuwise.plan.planner import plan_for
-
-        params = dict(request.query_params)
-        model = params.get("model", "").strip()
-        if not model:
-            raise FieldError("model", "give a model: a preset, a model directory, a .gguf file or a config.json")
-        result, warning = plan_for(model, plan_request(params), load_catalog(catalog_files))
-        if warning:
-            result["warnings"] = [warning, *result.get("warnings", [])]
-        return JSONResponse(json.loads(to_json(result)))  # inf and nan as null, as `plan --json` prints them
-
-    @app.get("/api/runs")
-    def runs(workload: str = "", status: str = "") -> list[dict[str, Any]]:
-        from gpuwise.ui.records import run_rows
-
-        return [
-            r
-            for r in run_rows(runs_dir)
-            if (not workload or r["workload"] == workload) and (not status or r["status"] == status)
-        ]
-
-    @app.get("/api/runs/{run}")
-    def run(run: str) -> JSONResponse:
-        from gpuwise.files import to_json
-        from gpuwise.ui.records import run_detail
-
-        return JSONResponse(json.loads(to_json(run_detail(_run_key(run), runs_dir))))
-
-    @app.get("/runs/{run}/report", response_class=HTMLResponse)
-    def report(run: str) -> HTMLResponse:
-        from gpuwise.report.html import run_report
-        from gpuwise.ui.records import run_path
-
-        return HTMLResponse(run_report(run_path(_run_key(run), runs_dir)))
-
-    @app.get("/api/bench")
-    def bench() -> JSONResponse:
-        from gpuwise.files import to_json
-        from gpuwise.ui.records import bench_rows
-
-        return JSONResponse(json.loads(to_json(bench_rows())))
-
-    @app.get("/api/models")
-    async def models() -> dict[str, Any]:
-        import asyncio
-
-        from gpuwise.ui.endpoints import describe, servable
-
-        found = await asyncio.gather(*(describe(ep, i) for i, ep in enumerate(endpoints)))
-        return {"servable": await asyncio.to_thread(servable, runs_dir), "endpoints": list(found)}
-
-    @app.api_route("/api/endpoints/{index}/{path:path}", methods=["GET", "POST"])
-    async def endpoint(index: str, path: str, request: Request):
-        from gpuwise.ui.endpoints import forward
-
-        number = ascii_int(index, "an endpoint's number")
-        if not 0 <= number < len(endpoints):
-            return JSONResponse({"error": f"no endpoint #{index}: start gpuwise ui with --endpoint URL"}, 404)
-        # Guard (serve/app.py) counts the body as it arrives and cuts it off at the ui's cap with a 413, a
-        # chunked one too: what is read here is at most that much.
-        body = await request.body()
-        return await forward(endpoints[number], request.method, path, body, request.headers.get("content-type"))
-
+    app.add_exception_handler(GpuwiseError, _refused)  # type: ignore[arg-type]
+    app.include_router(router)
     return app
+
+
+async def _refused(request: Request, e: GpuwiseError) -> JSONResponse:
+    message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    field = e.field if isinstance(e, FieldError) else _field_of(message)
+    model = request.query_params.get("model", "").strip()
+    if field is None and model and model in message:  # the model file or name could not be read
+        field = "model"
+    return JSONResponse({"error": message, "field": field}, status_code=400)
+
+
+# --- the routes: each a small function over what the CLI calls --------------------------------------------
+router = APIRouter()
+
+
+@router.get("/", include_in_schema=False)
+async def index(request: Request) -> Response:
+    given, key = request.query_params.get("token"), _state(request).key
+    if given is not None and key is not None and hmac.compare_digest(given.encode(), key.encode()):
+        # The printed URL's token becomes the key cookie the page's calls carry, and leaves the address
+        # bar (and the history) by a redirect to the same page without it.
+        rest = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "token"])
+        page = RedirectResponse("/" + (f"?{rest}" if rest else ""), 303, headers={"Cache-Control": "no-store"})
+        cookie = f"{COOKIE.decode()}={quote(given, safe='')}; Path=/; HttpOnly; SameSite=Strict"
+        page.headers.append("set-cookie", cookie)
+        return page
+    return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/api/options")
+def options(request: Request) -> dict[str, Any]:
+    catalog = load_catalog(_state(request).catalog_files)
+    return {
+        "presets": sorted(PRESETS),
+        "tasks": list(TASKS),
+        "precisions": ["bf16", "fp16", "fp8", "fp32"],
+        "optimizers": ["adamw", "adamw-8bit", "sgd"],
+        "checkpointing": ["none", "selective", "full"],
+        "gpus": [
+            {"slug": a.slug, "name": a.name, "memory_gb": a.mem_gb}
+            for a in sorted(catalog.accelerators.values(), key=lambda a: a.slug)
+            if a.kind != "cpu"
+        ],
+        "providers": sorted({p.provider for p in catalog.cloud}),
+    }
+
+
+@router.get("/api/plan")
+def plan(request: Request) -> JSONResponse:
+    params = dict(request.query_params)
+    model = params.get("model", "").strip()
+    if not model:
+        raise FieldError("model", "give a model: a preset, a model directory, a .gguf file or a config.json")
+    result, warning = plan_for(model, plan_request(params), load_catalog(_state(request).catalog_files))
+    if warning:
+        result["warnings"] = [warning, *result.get("warnings", [])]
+    return _json(result)
+
+
+@router.get("/api/runs")
+def runs(request: Request, workload: str = "", status: str = "") -> list[dict[str, Any]]:
+    return [
+        r
+        for r in run_rows(_state(request).runs_dir)
+        if (not workload or r["workload"] == workload) and (not status or r["status"] == status)
+    ]
+
+
+@router.get("/api/runs/{run}")
+def run(request: Request, run: str) -> JSONResponse:
+    return _json(run_detail(_run_key(run), _state(request).runs_dir))
+
+
+@router.get("/runs/{run}/report", response_class=HTMLResponse)
+def report(request: Request, run: str) -> HTMLResponse:
+    return HTMLResponse(run_report(run_path(_run_key(run), _state(request).runs_dir)))
+
+
+@router.get("/api/bench")
+def bench() -> JSONResponse:
+    return _json(bench_rows())
+
+
+@router.get("/api/models")
+async def models(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    found = await asyncio.gather(*(describe(ep, i) for i, ep in enumerate(state.endpoints)))
+    return {"servable": await asyncio.to_thread(servable, state.runs_dir), "endpoints": list(found)}
+
+
+@router.api_route("/api/endpoints/{index}/{path:path}", methods=["GET", "POST"])
+async def endpoint(request: Request, index: str, path: str):
+    endpoints = _state(request).endpoints
+    number = ascii_int(index, "an endpoint's number")
+    if not 0 <= number < len(endpoints):
+        return JSONResponse({"error": f"no endpoint #{index}: start gpuwise ui with --endpoint URL"}, 404)
+    # Guard (serve/app.py) counts the body as it arrives and cuts it off at the ui's cap with a 413, a
+    # chunked one too: what is read here is at most that much.
+    body = await request.body()
+    return await forward(endpoints[number], request.method, path, body, request.headers.get("content-type"))
+
+
+def _json(result: Any) -> JSONResponse:
+    return JSONResponse(json.loads(to_json(result)))  # inf and nan as null, as `--json` prints them

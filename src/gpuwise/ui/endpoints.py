@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from gpuwise.errors import GpuwiseError
+from gpuwise.plan.bases import NAMED_BASES, named_base_path
+from gpuwise.ui.records import run_rows
 
 # What the page calls on an endpoint: its description, its models, a chat, an image.
 FORWARDED = {
@@ -53,9 +55,6 @@ def parse_endpoints(urls: list[str], key: str | None) -> list[Endpoint]:
 def servable(runs_dir: Path) -> list[dict[str, Any]]:
     """What `gpuwise serve` would serve from here: every finished run (recorded, or under `runs_dir`), and
     every named base whose package is installed, each with the command that serves it."""
-    from gpuwise.plan.bases import NAMED_BASES, named_base_path
-    from gpuwise.ui.records import run_rows
-
     rows = [
         {
             "name": Path(r["run_dir"]).name,

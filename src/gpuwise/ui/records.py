@@ -8,14 +8,16 @@ from pathlib import Path
 from typing import Any
 
 from gpuwise.errors import GpuwiseError
+from gpuwise.files import MAX_METRICS_BYTES, read_run_file, run_file_lines
+from gpuwise.report.html import parse_object
+from gpuwise.runs import db
+from gpuwise.train.records import METRICS, SUMMARY, is_finished, is_running, load_config
 
 # A run page shows at most this many points per curve: a million-step log thinned, not shipped whole.
 MAX_POINTS = 2000
 
 
 def _status(run_dir: Path) -> str:
-    from gpuwise.train.records import is_finished, is_running
-
     if is_finished(run_dir):
         return "finished"
     return "running" if is_running(run_dir) else "stopped"
@@ -30,8 +32,6 @@ def _headline(summary: dict[str, Any]) -> dict[str, Any]:
 def run_rows(runs_dir: Path) -> list[dict[str, Any]]:
     """Every recorded training run, newest first, then every run directory under `runs_dir` the record does
     not hold (a run training now, or one stopped before it finished)."""
-    from gpuwise.runs import db
-
     rows, seen = [], set()
     for r in reversed(db.rows("train")) if db.default_path().exists() else []:
         data = r["data"]
@@ -85,7 +85,6 @@ def _run_dirs(runs_dir: Path) -> list[Path]:
 def run_path(key: str, runs_dir: Path) -> Path:
     """The run directory a page key names: a record id, or a directory's name under `runs_dir`."""
     if key.isascii() and key.isdigit():  # '²'.isdigit() holds too, and int() refuses it: a 500 it was
-        from gpuwise.runs import db
 
         row = db.get(int(key))
         if row["kind"] != "train":
@@ -115,10 +114,6 @@ def _curves(rows: list[dict[str, Any]]) -> dict[str, list[list[float]]]:
 
 
 def _summary(run_dir: Path) -> dict[str, Any]:
-    from gpuwise.files import read_run_file
-    from gpuwise.report.html import parse_object
-    from gpuwise.train.records import SUMMARY
-
     text = read_run_file(run_dir / SUMMARY, "run file", "the summary.json gpuwise train writes")
     return parse_object(str(run_dir / SUMMARY), text)
 
@@ -126,10 +121,6 @@ def _summary(run_dir: Path) -> dict[str, Any]:
 def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     """metrics.jsonl as far as it is written (none yet: no rows), for a run that may still be training: read
     a block at a time, never through a link, and never a FIFO or device (files.run_file_lines)."""
-    from gpuwise.files import MAX_METRICS_BYTES, run_file_lines
-    from gpuwise.report.html import parse_object
-    from gpuwise.train.records import METRICS
-
     path = run_dir / METRICS
     if not os.path.lexists(path):
         return []
@@ -147,8 +138,6 @@ def run_detail(key: str, runs_dir: Path) -> dict[str, Any]:
     """A run's page: status, config, curves from metrics.jsonl (as far as it is written), and for a finished
     run its summary (held-out metrics, baselines, planned beside actual). The config is shown, not acted on:
     its workload is not looked up, so a package.module:Class it names is not imported."""
-    from gpuwise.train.records import load_config
-
     path = run_path(key, runs_dir)
     status = _status(path)
     return {
@@ -163,8 +152,6 @@ def run_detail(key: str, runs_dir: Path) -> dict[str, Any]:
 
 def bench_rows() -> list[dict[str, Any]]:
     """Every `gpuwise bench` record, newest first: per device and dtype, as a fraction of peak."""
-    from gpuwise.runs import db
-
     if not db.default_path().exists():
         return []
     return [

@@ -12,8 +12,10 @@ from gpuwise.workloads.registry import get, names
 __all__ = ["BenchStep", "OnnxSignature", "Training", "Workload", "build", "place", "get", "names"]
 
 
-def build(cfg: Any, run_dir: Path) -> Training:
+def build(cfg: Any, run_dir: Path, planning: bool = False) -> Training:
     """The training side of the workload a TrainConfig names, built for this run, from its config resolved
-    (`Workload.resolve`: a no-op on a config train or launch resolved already)."""
+    (`TrainConfig.resolved`: a no-op on a config train or launch resolved already). `planning`: as `gpuwise
+    launch` plans a job on the machine that submits it (`Workload.plan_build`: no weights downloaded)."""
+    cfg = cfg.resolved()
     workload = cfg.workload_def()
-    return workload.build(cfg.filled(workload.resolve(cfg)), run_dir)
+    return workload.plan_build(cfg, run_dir) if planning else workload.build(cfg, run_dir)

@@ -111,6 +111,13 @@ class Workload(ABC):
     def build(self, cfg: Any, run_dir: Path) -> Training:
         """Load the data, build the model, and say how to batch, score and save it."""
 
+    def plan_build(self, cfg: Any, run_dir: Path) -> Training:
+        """The run as `build` makes it, for `gpuwise launch` to plan on the machine that submits the job: its
+        data loaded and counted, its model with the shapes and dtypes it will have but, where its weights
+        would be downloaded or loaded, none: built on fake tensors (torch's FakeTensorMode), on which one step
+        is planned and nothing is allocated. Default: `build`, for a model built from code."""
+        return self.build(cfg, run_dir)
+
     # --- bench, plan --traced ---------------------------------------------------------------------
     @abstractmethod
     def bench_step(self, device: torch.device, batch: int | None = None) -> BenchStep:

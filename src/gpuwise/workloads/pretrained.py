@@ -15,6 +15,8 @@ import warnings
 from pathlib import Path
 
 from gpuwise.errors import GpuwiseError, first_line
+from gpuwise.plan.bases import NAMED_BASES, named_base_path
+from gpuwise.plan.model import ModelSpec, read_gguf_header
 
 SCRATCH = "scratch"  # the small Llama built from a config, with a tokenizer trained on the data
 
@@ -31,8 +33,6 @@ def cache_root() -> Path:
 def _check_gguf(path: Path) -> None:
     """The header read by gpuwise's own bounded reader (depth, counts and lengths checked against the file)
     before gguf's reader, which trusts them, maps the file."""
-    from gpuwise.plan.model import read_gguf_header
-
     if not path.exists():
         raise GpuwiseError(f"--base {path}: no such file")
     try:
@@ -82,8 +82,6 @@ def convert_gguf(path: Path) -> Path:
 def resolve_base(spec: str, flag: str = "--base") -> str:
     """What from_pretrained loads for `--base SPEC`: a local directory for a named base, a `.gguf` file or a
     model directory; the spec itself for a hub id. One line for anything that cannot be a base."""
-    from gpuwise.plan.bases import NAMED_BASES, named_base_path
-
     if spec in NAMED_BASES:
         return str(convert_gguf(named_base_path(spec)))
     path = Path(spec).expanduser()
@@ -119,8 +117,6 @@ def quiet_transformers() -> None:
 
 def spec_of(model, name: str = "model"):
     """The analytic planner's view of the model, from its config."""
-    from gpuwise.plan.model import ModelSpec
-
     c = model.config
     heads = c.num_attention_heads
     return ModelSpec(
@@ -135,3 +131,31 @@ def spec_of(model, name: str = "model"):
         vocab=c.vocab_size,
         tied=bool(c.tie_word_embeddings),
     )
+
+
+def fake_tensors(model):
+    """`model`, built on the meta device, with every parameter and buffer a fake CPU tensor of its shape and dtype
+    (torch's FakeTensorMode, real inputs allowed): one training step runs on it, counted and traced, and nothing
+    is allocated. Tied weights stay tied; what a parameter says of its storage (`stored_bytes`) is kept. Replaced
+    in place, not through `Module.to`, which cannot swap a parameter for a fake one."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    made: dict[int, torch.Tensor] = {}
+    with mode:
+        for module in model.modules():
+            for kind in ("_parameters", "_buffers"):
+                table = getattr(module, kind)
+                for name, t in table.items():
+                    if t is None:
+                        continue
+                    if id(t) not in made:
+                        fake = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                        if isinstance(t, torch.nn.Parameter):
+                            fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
+                            if hasattr(t, "stored_bytes"):
+                                fake.stored_bytes = t.stored_bytes  # type: ignore[attr-defined]
+                        made[id(t)] = fake
+                    table[name] = made[id(t)]
+    return model

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Protocol
 import numpy as np
 from pydantic import AfterValidator
 
-from gpuwise.errors import GpuwiseError
+from gpuwise.errors import GpuwiseError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -185,8 +185,6 @@ _DTYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
 def onnx_forward(path: Path) -> Callable[[np.ndarray], np.ndarray]:
     """The model's one input (float32 images or int64 ids) -> its one output, through onnxruntime."""
     import onnxruntime as ort
-
-    from gpuwise.errors import first_line
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 4  # its errors come back as exceptions; logging them too would print twice

@@ -14,6 +14,7 @@ from gpuwise.serve.engines.llamacpp import DTYPES as LLAMA_CPP_DTYPES
 from gpuwise.serve.engines.llamacpp import find_llama_server, llama_server_version, quantized_gguf
 from gpuwise.serve.engines.vllm import find_vllm
 from gpuwise.serve.models import is_run
+from gpuwise.train.records import open_finished
 
 DTYPES = ("auto", "fp32", "bf16", "fp16", "q8_0")  # --dtype: q8_0 is llama.cpp's alone
 
@@ -105,8 +106,6 @@ def _choose(
 
 
 def _is_lora_run(ref: str) -> bool:
-    from gpuwise.train.records import open_finished  # serve's start only, where a run is given
-
     path = Path(ref).expanduser()
     if not is_run(path):
         return False

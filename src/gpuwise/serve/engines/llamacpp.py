@@ -25,10 +25,13 @@ from pathlib import Path
 
 from gpuwise.errors import GpuwiseError
 from gpuwise.hardware.devices import free_memory
+from gpuwise.plan.bases import NAMED_BASES, named_base_path
 from gpuwise.plan.engines import LlamaCppArgs
+from gpuwise.plan.gguf import read_gguf_header
 from gpuwise.plan.serving import plan_server
 from gpuwise.serve.engines.base import GREEDY_BELOW, Sequence
 from gpuwise.serve.engines.child import ChildBackend, ChildServer, StreamingEngine, end_of_text
+from gpuwise.workloads.pretrained import cache_root
 from gpuwise.workloads.serving import Limits
 
 DTYPES = ("auto", "fp32", "bf16", "fp16", "q8_0")  # --dtype on llama.cpp; auto: the GGUF as it ships
@@ -41,8 +44,6 @@ SEED_MOD = 2**32 - 1  # llama.cpp's seeds are 32-bit, and 2^32 - 1 means "random
 
 def install_dir() -> Path:
     """Where `make llama.cpp` builds llama-server: gpuwise's cache, unless GPUWISE_LLAMA_CPP names another."""
-    from gpuwise.workloads.pretrained import cache_root
-
     return Path(os.environ.get("GPUWISE_LLAMA_CPP") or cache_root() / "llama.cpp")
 
 
@@ -92,8 +93,6 @@ def converter(binary: Path, name: str) -> Path:
 
 def _run_converter(script: Path, args: list[str], out: Path, what: str) -> Path:
     """Run one of llama.cpp's converters (with gguf-py beside it) into `out`, written whole or not at all."""
-    from gpuwise.workloads.pretrained import cache_root
-
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent / "gguf-py"), str(script.parent)])}
@@ -124,9 +123,6 @@ def _stamp(path: Path) -> str:
 def gguf_model(ref: str, source: str, dtype: str, binary: Path) -> tuple[Path, str]:
     """The GGUF llama.cpp serves for a model, and one line saying what it is. `ref` as given (a named base, a
     .gguf file, a model or run directory), `source` the model directory gpuwise resolved it to."""
-    from gpuwise.plan.bases import NAMED_BASES, named_base_path
-    from gpuwise.workloads.pretrained import cache_root
-
     shipped = None
     if ref in NAMED_BASES:
         shipped = Path(named_base_path(ref))
@@ -151,8 +147,6 @@ def gguf_model(ref: str, source: str, dtype: str, binary: Path) -> tuple[Path, s
 
 def gguf_adapter(adapter: Path, base: str, binary: Path) -> Path:
     """A LoRA run's adapter (peft, safetensors) as a GGUF LoRA adapter, converted once and cached."""
-    from gpuwise.workloads.pretrained import cache_root
-
     if not (adapter / "adapter_model.safetensors").is_file():
         raise GpuwiseError(f"{adapter}: no adapter_model.safetensors (gpuwise serves adapters from safetensors only)")
     out = cache_root() / "llama.cpp-models" / f"lora-{_stamp(adapter)}.gguf"
@@ -263,16 +257,12 @@ class LlamaCppBackend(ChildBackend):
 
 def quantized_gguf(ref: str) -> bool:
     """Whether `ref` is a GGUF of quantized weights (Q4, Q8...): the named base as it ships, or a .gguf file."""
-    from gpuwise.plan.bases import NAMED_BASES, named_base_path
-
     path = Path(named_base_path(ref)) if ref in NAMED_BASES else Path(ref).expanduser()
     return path.suffix.lower() == ".gguf" and path.is_file() and _gguf_type(path) not in ("f32", "f16", "bf16", "gguf")
 
 
 def _gguf_type(path: Path) -> str:
     """The GGUF's file type as llama.cpp names it (Q4_1, BF16...), from its header's general.file_type."""
-    from gpuwise.plan.gguf import read_gguf_header
-
     names = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 7: "q8_0", 32: "bf16"}
     try:
         meta, _ = read_gguf_header(path)

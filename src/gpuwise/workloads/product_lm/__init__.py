@@ -93,6 +93,10 @@ class ProductLM(Workload):
     def build(self, cfg: Any, run_dir: Path) -> Training:
         return training.build(cfg, run_dir, self.recipe)
 
+    def plan_build(self, cfg: Any, run_dir: Path) -> Training:
+        """The base from its config on fake tensors: `gpuwise launch` never downloads or loads its weights."""
+        return training.build(cfg, run_dir, self.recipe, planning=True)
+
     def bench_step(self, device, batch: int | None = None) -> BenchStep:
         from transformers import LlamaConfig, LlamaForCausalLM
 

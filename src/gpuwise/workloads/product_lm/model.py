@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from gpuwise.errors import GpuwiseError, first_line
+from gpuwise.hardware.devices import bf16_native
 from gpuwise.workloads.pretrained import SCRATCH, resolve_base
 from gpuwise.workloads.product_lm.data import train_tokenizer
 from gpuwise.workloads.product_lm.recipe import ProductLMRecipe
@@ -52,8 +53,6 @@ def load_base(cfg, tok, run_dir: Path, recipe: ProductLMRecipe):
         source = resolve_base(cfg.base)
     kwargs = {}
     if cfg.method == "qlora":
-        from gpuwise.hardware.devices import bf16_native
-
         compute = torch.bfloat16 if bf16_native() else torch.float32
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute
@@ -62,6 +61,27 @@ def load_base(cfg, tok, run_dir: Path, recipe: ProductLMRecipe):
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except Exception as e:  # noqa: BLE001 - a broken config.json raises anything from TypeError to KeyError
         raise GpuwiseError(f"--base {source}: cannot load a causal LM ({first_line(e)})") from None
+
+
+def plan_base(cfg, tok, recipe: ProductLMRecipe):
+    """The model `load_base` loads, with its shapes and dtypes and no weights, built from its config: call it
+    on the meta device (`gpuwise launch` plans a job on it). For --method qlora its linear layers are marked
+    with the bytes bitsandbytes stores them in (NF4: half a byte a weight), which the memory plan counts."""
+    if cfg.base == SCRATCH:
+        return scratch_model(cfg, tok, recipe)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_base(cfg.base)))
+    except Exception as e:  # noqa: BLE001 - a broken config.json raises anything from TypeError to KeyError
+        raise GpuwiseError(f"--base {cfg.base}: cannot build a causal LM from its config ({first_line(e)})") from None
+    if cfg.method == "qlora":
+        head = model.get_output_embeddings()
+        for module in model.modules():  # as transformers quantizes: every linear layer but the output layer
+            if isinstance(module, torch.nn.Linear) and module is not head:
+                module.weight.requires_grad_(False)
+                module.weight.stored_bytes = (module.weight.numel() + 1) // 2  # type: ignore[attr-defined]
+    return model
 
 
 def scratch_model(cfg, tok, recipe: ProductLMRecipe):

@@ -12,14 +12,15 @@ import torch
 
 from gpuwise.errors import GpuwiseError
 from gpuwise.workloads.base import Training
-from gpuwise.workloads.pretrained import SCRATCH, quiet_transformers, spec_of
+from gpuwise.workloads.pretrained import SCRATCH, fake_tensors, quiet_transformers, spec_of
 from gpuwise.workloads.product_lm.data import Sample, as_text, encode, load_texts, pack, sample_prompts
-from gpuwise.workloads.product_lm.model import adapt, load_base, load_tokenizer, merge
+from gpuwise.workloads.product_lm.model import adapt, load_base, load_tokenizer, merge, plan_base
 from gpuwise.workloads.product_lm.recipe import ProductLMRecipe
 
 
-def build(cfg, run_dir: Path, recipe: ProductLMRecipe) -> Training:
-    """The run a resolved config (base and method set) describes; the config is only read."""
+def build(cfg, run_dir: Path, recipe: ProductLMRecipe, planning: bool = False) -> Training:
+    """The run a resolved config (base and method set) describes; the config is only read. `planning`: its
+    model on fake tensors, from the base's config (`gpuwise launch`: no weights are downloaded or loaded)."""
     quiet_transformers()
     if cfg.merge and cfg.method == "full":
         raise GpuwiseError("--merge folds a LoRA/QLoRA adapter into its base: it needs --method lora or qlora")
@@ -29,9 +30,14 @@ def build(cfg, run_dir: Path, recipe: ProductLMRecipe) -> Training:
     tok = load_tokenizer(cfg, [text for _, text in train_samples], recipe)
     blocks, labels = pack(train_samples, tok, cfg.block_size)
     run_dir.mkdir(parents=True, exist_ok=True)
-    base = load_base(cfg, tok, run_dir, recipe)
+    if planning:  # built on the meta device (peft's adapters too), then made fake tensors one step can run on
+        with torch.device("meta"):
+            base = plan_base(cfg, tok, recipe)
+            model = fake_tensors(adapt(base, cfg, recipe))
+    else:
+        base = load_base(cfg, tok, run_dir, recipe)
+        model = adapt(base, cfg, recipe)
     spec = spec_of(base, "product-lm")
-    model = adapt(base, cfg, recipe)
     context = min(getattr(base.config, "max_position_embeddings", 512), recipe.eval_context)
     steps = FineTune(
         tok, blocks, labels, test_samples, sample_prompts(tok), context, cfg.method, cfg.merge, cfg.seed, recipe

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from gpuwise.workloads.pretrained import cache_root
+
 log = logging.getLogger("gpuwise.serve")
 
 SOURCE = Path(__file__).with_name("kernels") / "decode_attention.cpp"
@@ -144,8 +146,6 @@ def _avx512() -> bool:
 
 
 def _cache_dir() -> Path:
-    from gpuwise.workloads.pretrained import cache_root
-
     return cache_root() / "kernels"
 
 
