@@ -1,8 +1,8 @@
 """One decode step of the serving engine, in one process, side by side, on SmolLM2-135M-Instruct: the fused
-decoder (serve/decoder.py, what `gpuwise serve` runs for a Llama-family model) and transformers' forward
+decoder (serve/engines/gpuwise/decoder.py, what `gpuwise serve` runs for a Llama-family model) and transformers' forward
 through the same engine, in fp32 and in bf16, the linears of both packed as `gpuwise serve` packs them
-(serve/packed.py; the fused fp32 decoder also unpacked; the fused bf16 one also with SDPA for its decode
-attention instead of serve/attention.py's kernel, with each layer's ops from Python instead of the whole-step
+(serve/engines/gpuwise/packed.py; the fused fp32 decoder also unpacked; the fused bf16 one also with SDPA for its decode
+attention instead of serve/engines/gpuwise/attention.py's kernel, with each layer's ops from Python instead of the whole-step
 kernel, and with those ops' products by oneDNN instead of the product kernel: the last two are the decode step
 before issue #37), and transformers' `generate` at the same batch.
 
@@ -97,7 +97,7 @@ def main() -> None:
             decoder, note = fused_decoder(model, pack=packing("cpu", model.dtype) if pack else None)
             if decoder is None:
                 raise SystemExit(f"the fused decoder is not used for this model: {note}")
-            if not kernel:  # the decode steps' attention by SDPA, as before serve/attention.py
+            if not kernel:  # the decode steps' attention by SDPA, as before serve/engines/gpuwise/attention.py
                 decoder.attention, decoder.step = None, None
             if not step:  # each layer's ops from Python, as before the whole-step kernel
                 decoder.step = None

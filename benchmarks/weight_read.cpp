@@ -1,5 +1,5 @@
 // How fast a one-row product reads its bf16 weight on this CPU, read as gpuwise's decode kernel reads it
-// (src/gpuwise/serve/kernels/decode_attention.cpp: gemv_block, 4 weight rows a pass), with and without asking
+// (src/gpuwise/serve/engines/gpuwise/kernels/decode_attention.cpp: gemv_block, 4 weight rows a pass), with and without asking
 // for the rows ahead (_mm_prefetch), beside one plain stream a thread summed: the bound the kernel is held to.
 // One weight of 270 MB (SmolLM2-135M's bytes a token in bf16) as [O, 576]; every variant in one run, rounds
 // alternating, median of each.

@@ -1,4 +1,4 @@
-"""The fused Llama-family forward (serve/decoder.py) against transformers' own, on tiny models built from configs:
+"""The fused Llama-family forward (serve/engines/gpuwise/decoder.py) against transformers' own, on tiny models built from configs:
 Llama (grouped-query), Qwen2 (biases on q/k/v), Mistral; fp32 and bf16, packed as `gpuwise serve` packs them
 where this CPU can (oneDNN; MKL for fp32 where oneDNN is missing). What it does not cover, and a fused
 forward that disagrees at load, fall back to transformers'."""
@@ -52,7 +52,7 @@ def test_the_fused_forward_gives_transformers_logits(kind, dtype):
     off = float((got - expected).abs().max() / expected.abs().max())
     assert off <= fused.TOLERANCE[dtype], off
     # packed for oneDNN: the plain weights of the fused layers are dropped (nothing is held twice but a tied
-    # output layer), unless the decode product kernel (serve/attention.py) reads them; for MKL (the fp32
+    # output layer), unless the decode product kernel (serve/engines/gpuwise/attention.py) reads them; for MKL (the fp32
     # fallback) they stay, for products of few rows; the copies held twice are counted
     layer = model.model.layers[0]
     kept = decoder.head.kernel is not None

@@ -201,7 +201,7 @@ def load_models(specs: list[tuple[str, str]], limits: Limits, dtype: str = "auto
 
 
 def load_vllm(specs: list[tuple[str, str]], limits: Limits, dtype: str, python: str, timeout_s: float, why: str):
-    """The same models served by vLLM (serve/vllm.py): one vLLM server per base, its LoRA runs as vLLM's LoRA
+    """The same models served by vLLM (serve/engines/vllm.py): one vLLM server per base, its LoRA runs as vLLM's LoRA
     modules. gpuwise loads only the tokenizer and the config: the weights are vLLM's to hold."""
     device, dtype = llm_device_dtype(dtype)
     backends = vllm_backends(specs, limits, dtype, device, python, timeout_s)
@@ -217,7 +217,7 @@ def vllm_backends(specs: list[tuple[str, str]], limits: Limits, dtype: str, devi
 
 
 def load_llamacpp(specs: list[tuple[str, str]], limits: Limits, dtype: str, binary: Path, timeout_s: float, why: str):
-    """The same models served by llama.cpp (serve/llamacpp.py): one llama-server per base, a GGUF as it ships
+    """The same models served by llama.cpp (serve/engines/llamacpp.py): one llama-server per base, a GGUF as it ships
     (or converted once), its LoRA runs as GGUF adapters applied per request."""
     backends = llamacpp_backends(specs, limits, dtype, binary, timeout_s)
     return LLM(backends, limits, backends[0][0].precision, "cpu", f"engine: llama.cpp ({why})")

@@ -338,7 +338,7 @@ class ChildBackend:
         """What the backend made for its server (converted files, a zero adapter), once the server is stopped."""
 
     def run(self, server: ChildServer, cmd: list[str], env: dict[str, str], key_env: str) -> None:
-        """Start `server` running `cmd` (serve/child.py `ChildServer.start`); on failure clean up and raise."""
+        """Start `server` running `cmd` (serve/engines/child.py `ChildServer.start`); on failure clean up and raise."""
         self.server = server
         try:
             server.start(cmd, env, key_env)

@@ -1,6 +1,6 @@
 """llama.cpp as the engine behind gpuwise's OpenAI API (`gpuwise serve --engine llama.cpp`).
 
-gpuwise runs llama.cpp's own server, `llama-server`, as a child process (serve/child.py): on loopback, on a
+gpuwise runs llama.cpp's own server, `llama-server`, as a child process (serve/engines/child.py): on loopback, on a
 free port, behind a random key given as LLAMA_API_KEY. It reads GGUF as it ships: the named base's Q4_1 file
 is served as it is, where gpuwise's own engine and vLLM are given it dequantized to fp32. A model in another
 form (a run, a model directory) or another precision (`--dtype bf16|fp16|fp32|q8_0`) is converted once by

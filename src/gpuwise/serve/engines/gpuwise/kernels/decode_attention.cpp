@@ -1,4 +1,4 @@
-// The decode step's kernels for CPUs with AVX-512, built and loaded by serve/attention.py, which says why they
+// The decode step's kernels for CPUs with AVX-512, built and loaded by serve/engines/gpuwise/attention.py, which says why they
 // exist; docs/serving.md has their speed.
 //
 // 1. Attention of one new token per sequence over its cached keys and values.
@@ -227,10 +227,10 @@ void gemv(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t O, i
   });
 }
 
-// 3. A whole decode step of a Llama-family decoder (serve/decoder.py's fused forward, one token for each of
+// 3. A whole decode step of a Llama-family decoder (serve/engines/gpuwise/decoder.py's fused forward, one token for each of
 // M <= kMaxRows rows, no LoRA): every layer's norm, products, rotary embedding, cache write and attention in
 // one call, so that the ~25 tensor ops a layer do not each pay Python's and ATen's dispatch. It rounds to T
-// where serve/decoder.py's PyTorch ops do (each op's output), so its logits are that forward's within the
+// where serve/engines/gpuwise/decoder.py's PyTorch ops do (each op's output), so its logits are that forward's within the
 // order of a sum. x: [M, E] the embedded tokens (updated in place); cos, sin: [M, D]; pos: [M] each row's
 // position, its cache row first + m; per layer l, ptrs[l * 12 + ...]: input norm, qkv weight and bias, o weight
 // and bias, post-attention norm, gate_up weight and bias, down weight and bias (a null bias: none), and the
@@ -276,7 +276,7 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int threads) {
   return {n * tid / threads, n * (tid + 1) / threads};
 }
 
-// x [M, E] normalized (RMSNorm, rounded to T as serve/decoder.py's ops round) into xf in fp32, the products' input
+// x [M, E] normalized (RMSNorm, rounded to T as serve/engines/gpuwise/decoder.py's ops round) into xf in fp32, the products' input
 template <typename T>
 void rms_into(const T* x, const T* weight, float eps, float* xf, int64_t M, int64_t E) {
   for (int64_t m = 0; m < M; ++m) {
