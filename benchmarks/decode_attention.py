@@ -1,4 +1,5 @@
-"""Decode attention, one layer's call, side by side: gpuwise's CPU kernel (serve/engines/gpuwise/attention.py) against PyTorch's
+"""Decode attention, one layer's call, side by side: gpuwise's CPU kernel (serve/engines/gpuwise/attention.py) against
+PyTorch's
 `scaled_dot_product_attention` as the fused decoder called it (grouped query heads folded, an additive mask), on
 SmolLM2-135M's shapes (9 query heads, 3 key/value heads, head dim 64) over a slot cache as the engine holds it.
 

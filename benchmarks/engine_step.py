@@ -2,7 +2,8 @@
 decoder (serve/engines/gpuwise/decoder.py, what `gpuwise serve` runs for a Llama-family model) and transformers' forward
 through the same engine, in fp32 and in bf16, the linears of both packed as `gpuwise serve` packs them
 (serve/engines/gpuwise/packed.py; the fused fp32 decoder also unpacked; the fused bf16 one also with SDPA for its decode
-attention instead of serve/engines/gpuwise/attention.py's kernel, with each layer's ops from Python instead of the whole-step
+attention instead of serve/engines/gpuwise/attention.py's kernel, with each layer's ops from Python instead of the
+whole-step
 kernel, and with those ops' products by oneDNN instead of the product kernel: the last two are the decode step
 before issue #37), and transformers' `generate` at the same batch.
 

@@ -1,5 +1,5 @@
-"""gpuwise's CPU decode attention kernel (serve/engines/gpuwise/attention.py) against PyTorch's SDPA on the same cache views, and
-what happens where it cannot be built: the decoder keeps SDPA and says why."""
+"""gpuwise's CPU decode attention kernel (serve/engines/gpuwise/attention.py) against PyTorch's SDPA on the same
+cache views, and what happens where it cannot be built: the decoder keeps SDPA and says why."""
 
 import shutil
 

@@ -1,5 +1,6 @@
-"""The fused Llama-family forward (serve/engines/gpuwise/decoder.py) against transformers' own, on tiny models built from configs:
-Llama (grouped-query), Qwen2 (biases on q/k/v), Mistral; fp32 and bf16, packed as `gpuwise serve` packs them
+"""The fused Llama-family forward (serve/engines/gpuwise/decoder.py) against transformers' own, on tiny models built
+from configs: Llama (grouped-query), Qwen2 (biases on q/k/v), Mistral; fp32 and bf16, packed as `gpuwise serve` packs
+them
 where this CPU can (oneDNN; MKL for fp32 where oneDNN is missing). What it does not cover, and a fused
 forward that disagrees at load, fall back to transformers'."""
 

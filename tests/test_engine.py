@@ -80,8 +80,9 @@ def engine(model, tok, **kw) -> Engine:
 )
 def test_greedy_equals_generate_alone_in_a_full_batch_and_when_joining_midway(tiny, fused, prefix):
     """With a prefix cache every prompt after the first pass is found in it, all but its last token. Packed:
-    the fused decoder's fp32 products packed as `gpuwise serve` packs them (serve/engines/gpuwise/packed.py: oneDNN, or MKL
-    where oneDNN is missing); its decode steps' attention by serve/engines/gpuwise/attention.py's kernel where it builds."""
+    the fused decoder's fp32 products packed as `gpuwise serve` packs them (serve/engines/gpuwise/packed.py:
+    oneDNN, or MKL where oneDNN is missing); its decode steps' attention by serve/engines/gpuwise/attention.py's
+    kernel where it builds."""
     from gpuwise.serve.engines.base import EngineStats
     from gpuwise.serve.engines.gpuwise.decoder import FusedDecoder
     from gpuwise.serve.engines.gpuwise.packed import packing

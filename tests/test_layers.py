@@ -206,7 +206,21 @@ def test_no_two_packages_import_each_other():
     assert not both, both
 
 
-if __name__ == "__main__":  # `python tests/test_layers.py` prints which layer imports which
+def longest_functions(n: int = 5) -> list[tuple[int, str]]:
+    found = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                found.append((lines, f"{path.relative_to(SRC)}:{node.lineno} {node.name}"))
+    return sorted(found, reverse=True)[:n]
+
+
+if __name__ == "__main__":  # `python tests/test_layers.py`: which layer imports which, and the house's figures
     pairs = sorted({(a, b) for a, b, _ in edges() if a != b}, key=lambda p: (RANK[p[0]], p))
     for a, group in itertools.groupby(pairs, key=lambda p: p[0]):
         print(f"{a:>10} -> {', '.join(b for _, b in group)}")
+    print(f"import circles between modules: {len(circles(module_imports()))}")
+    inside = imports_inside_functions()
+    print(f"imports of gpuwise inside functions: {len(inside)} in {len({w.split(':')[0] for w, _, _ in inside})} files")
+    print("longest functions:", "; ".join(f"{where} ({lines} lines)" for lines, where in longest_functions()))

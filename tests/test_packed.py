@@ -1,5 +1,5 @@
-"""Linears packed once (serve/engines/gpuwise/packed.py), for oneDNN in bf16 and fp32 and for MKL in fp32 (the fallback), compute
-what `F.linear` computes (bf16 bitwise, fp32 within 1e-5: see `same`): alone (MKL at
+"""Linears packed once (serve/engines/gpuwise/packed.py), for oneDNN in bf16 and fp32 and for MKL in fp32 (the
+fallback), compute what `F.linear` computes (bf16 bitwise, fp32 within 1e-5: see `same`): alone (MKL at
 every row count from 1 to 40, one packed copy for all), in a tiny Llama with a tied output layer, and under two
 LoRA adapters in one mixed batch; what is packed and what it adds is counted, and MKL's copies are packed only
 where they fit."""

@@ -16,7 +16,7 @@ PyTorch version, in a directory of the user's own and checked against the SHA-25
 is loaded (`load`, below), then against SDPA on a small input. Where it cannot be built, loaded or trusted (no
 compiler, no AVX-512, `GPUWISE_KERNELS=0`, a cache others can write, a library that is not the one built, a
 failed self-check), `load` says why in one line and the decoder keeps SDPA; a kernel that fails a call later
-hands that decoder back to SDPA too (serve/engines/gpuwise/decoder.py)."""
+hands that decoder back to SDPA too (decoder.py)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ scaling * B(A(x)) on their columns of the fused product.
 
 It reads the model's own weights: q/k/v and gate/up are concatenated once (the model's modules are then
 given views of the concatenated tensor, so nothing is held twice), and on a CPU every product is packed for
-oneDNN (bf16, fp32) or MKL (fp32) where `pack` says so (serve/engines/gpuwise/packed.py). `FusedDecoder.check` compares it with
+oneDNN (bf16, fp32) or MKL (fp32) where `pack` says so (packed.py). `FusedDecoder.check` compares it with
 transformers' forward at load on a short prompt, for the base and each adapter; a model it does not cover, or
 one that disagrees, is served by transformers' forward."""
 
@@ -109,8 +109,8 @@ def _lora_unsupported(model) -> str | None:
 
 
 class _Linear:
-    """One product, packed where `pack` names a packing (serve/engines/gpuwise/packed.py), and its LoRA adapters' low-rank
-    updates: per adapter, the products A and B (the scaling folded into B). With `kernel` (serve/engines/gpuwise/attention.py),
+    """One product, packed where `pack` names a packing (packed.py), and its LoRA adapters' low-rank
+    updates: per adapter, the products A and B (the scaling folded into B). With `kernel` (attention.py),
     a product of at most GEMV_ROWS_ALONE rows is the kernel's, which reads the plain weight once at the memory's
     speed, and the whole-step kernel reads it too: the plain weight is then kept beside a packed copy, for the
     wider products."""
@@ -156,7 +156,7 @@ class Moved(nn.Module):
     """Where a linear layer was, once its weights live only in the fused decoder's packed copy."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("this layer's weights were moved into gpuwise's fused decoder (serve/engines/gpuwise/decoder.py)")
+        raise RuntimeError("this layer's weights were moved into gpuwise's fused decoder (decoder.py)")
 
 
 def _plain(module: Any) -> Any:
@@ -252,7 +252,7 @@ class FusedDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.embed = inner.embed_tokens.weight.detach()
         self.rotary = inner.rotary_emb
-        # one query per row (a decode step): gpuwise's CPU kernel where it builds (serve/engines/gpuwise/attention.py), else SDPA;
+        # one query per row (a decode step): gpuwise's CPU kernel where it builds (attention.py), else SDPA;
         # the same library's product for a decode step's few rows
         self.attention, self.why, products = None, "SDPA", None
         if self.embed.device.type == "cpu":

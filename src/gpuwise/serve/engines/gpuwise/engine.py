@@ -5,7 +5,7 @@ One engine thread owns the model. Each turn of its loop it
 2. admits waiting requests while slots and the KV budget allow: they start prefilling,
 3. runs one decode step for every sequence whose prompt is in the cache (one token each) and the next chunk
    of every prompt still prefilling (left-padded, so each row's last token is the last column), in one
-   forward pass where the decoder takes both (serve/engines/gpuwise/decoder.py: its weights read once), else in two (the
+   forward pass where the decoder takes both (decoder.py: its weights read once), else in two (the
    chunk's size below),
 4. samples, detokenizes, checks end-of-text, stop strings and max_tokens, and hands each client its
    new text (thread-safe: the client's callback puts it on its event loop's queue).
@@ -25,7 +25,7 @@ The KV cache holds a row per running sequence (`SlotCache`), and recent prompts'
 the prompts that start like them (`PrefixCache`). The forward is transformers' own, given that cache, per-row
 positions and a 4-D mask, so any model transformers loads (Llama, Qwen2, Mistral, Gemma...) runs unchanged;
 or, for the Llama family and its LoRA adapters, the same forward fused by hand over the same cache
-(serve/engines/gpuwise/decoder.py), which makes a third of the tensor-op calls per step.
+(decoder.py), which makes a third of the tensor-op calls per step.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ class Engine:
         self.cache.reserve(length)
         self.cache.bind(first, pos, length)
         bias = additive_mask(mask, self.dtype).to(self.device)  # may attend: stored position j <= the query's own
-        if self.decoder is not None:  # serve/engines/gpuwise/decoder.py: the same forward, fused
+        if self.decoder is not None:  # decoder.py: the same forward, fused
             return self.decoder(ids.to(self.device), pos.to(self.device), bias, self.cache, adapters)
         kwargs: dict[str, Any] = {self.cache_arg: self.cache}
         if self.peft:  # one adapter per row (peft's mixed-adapter batch); "__base__": the base alone
@@ -273,7 +273,7 @@ class Engine:
 
     def _step(self) -> None:
         """One decode step for the decoding rows and the next chunk of every prefilling prompt: in one pass
-        where the decoder takes several groups of rows (serve/engines/gpuwise/decoder.py's `run`: the weights are read once for
+        where the decoder takes several groups of rows (decoder.py's `run`: the weights are read once for
         both), else one pass each."""
         decode = self._decode_rows() if self.running else None
         chunk = self._chunk() if self.prefilling else None
