@@ -5,21 +5,30 @@
 #   neighbour  a busy neighbour: one `yes > /dev/null` per run, for its whole duration
 # A test that passes only at some speed fails under one of them. Prints one line per run and a table.
 #
-#   tests/timing_stress.sh [-n N] [-k EXPR] [FILE ...]      (default: N=5, the files below)
+#   tests/timing_stress.sh [-n N] [-c CONDITIONS] [-k EXPR] [FILE ...]
+#   (default: N=5, -c as-is,omp1,neighbour, the files below)
 #
 # Needs the set-up `make test` does (.venv), and `make vllm` and `make llama.cpp` for test_llm_api's engines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 N=5
 K=()
-while getopts "n:k:" opt; do
+CONDITIONS=(as-is omp1 neighbour)
+while getopts "n:c:k:" opt; do
   case $opt in
     n) N=$OPTARG ;;
+    c) IFS=, read -r -a CONDITIONS <<<"$OPTARG" ;;
     k) K=(-k "$OPTARG") ;;
-    *) echo "usage: $0 [-n N] [-k EXPR] [FILE ...]" >&2; exit 2 ;;
+    *) echo "usage: $0 [-n N] [-c as-is,omp1,neighbour] [-k EXPR] [FILE ...]" >&2; exit 2 ;;
   esac
 done
 shift $((OPTIND - 1))
+for condition in "${CONDITIONS[@]}"; do
+  case $condition in
+    as-is | omp1 | neighbour) ;;
+    *) echo "unknown condition '$condition': choose from as-is, omp1, neighbour" >&2; exit 2 ;;
+  esac
+done
 FILES=("$@")
 if [ ${#FILES[@]} -eq 0 ]; then
   FILES=(tests/test_serve.py tests/test_llm_api.py tests/test_web_origin.py tests/test_ui.py
@@ -32,7 +41,7 @@ LOGS=$(mktemp -d /tmp/gpuwise-timing.XXXXXX)
 echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores; logs in $LOGS"
 
 declare -A PASSED FAILED
-for condition in as-is omp1 neighbour; do
+for condition in "${CONDITIONS[@]}"; do
   PASSED[$condition]=0
   FAILED[$condition]=0
   for i in $(seq 1 "$N"); do
@@ -56,6 +65,6 @@ done
 echo
 echo "| condition | runs passed | runs failed |"
 echo "|---|---|---|"
-for condition in as-is omp1 neighbour; do
+for condition in "${CONDITIONS[@]}"; do
   echo "| $condition | ${PASSED[$condition]} of $N | ${FAILED[$condition]} |"
 done
