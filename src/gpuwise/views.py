@@ -318,3 +318,100 @@ def _render_detail(console: Console, res: PlanResult) -> None:
     for a in res.assumptions:
         given = a.origin.startswith("--")
         console.print(f"[dim]  {a.name}: " + (f"{a.value:g} (given)" if given else a.origin) + "[/]")
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1000:,.0f} ms" if s < 10 else f"{s:,.0f} s"
+
+
+def render_capacity(console: Console, res: dict) -> None:
+    """`gpuwise plan --task serve`: every accelerator's replicas for the traffic, the cheapest starred, and the
+    hosted APIs beside them."""
+    m, tr, tg = res["model"], res["traffic"], res["targets"]
+    q = f"p{tg['percentile']:g}"
+    console.print(
+        f"[bold]{m['name']}[/]: {count(m['params'])} parameters · serve · {res['precision']} · "
+        f"{tr['rps']:.3g} requests/s ({tr['source']}) · prompts {tr['prompt_tokens']:,} and answers "
+        f"{tr['output_tokens']:,} tokens · targets: TTFT {_ms(tg['ttft'])} and TPOT {_ms(tg['tpot'])} for "
+        f"{tg['percentile']:g} % of requests · up {res['hours_per_day']:g} h a day",
+        soft_wrap=True,
+    )
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    for col, right in (
+        ("GPU", False),
+        ("replicas", False),
+        ("goodput/rep", True),
+        ("busy", True),
+        (f"TTFT {q}", True),
+        (f"TPOT {q}", True),
+        ("binds", False),
+        ("$/hour", True),
+        ("$/month", True),
+        ("$/M out", True),
+        ("priced at", False),
+    ):
+        t.add_column(col, no_wrap=col not in ("priced at", "binds"), justify="right" if right else "left")
+    for o in res["options"]:
+        if not o["meets"]:
+            continue
+        at = o["at_traffic"]
+        t.add_row(
+            o["gpu"] + (" ★" if o["cheapest"] else ""),
+            f"{o['replicas']}" + (f" x TP {o['tp']}" if o["tp"] > 1 else "") + (" PCIe" if o["slow_link"] else ""),
+            f"{o['goodput_per_replica']:.3g}/s",
+            f"{o['concurrency']}",
+            _ms(at[f"ttft_{q}"]),
+            _ms(at[f"tpot_{q}"]),
+            o["binds"],
+            usd(o["usd_per_hour"]),
+            usd(o["usd_per_month"]),
+            usd(o["usd_per_m_output"]),
+            o["cheapest_provider"] or "no price",
+        )
+    console.print(t)
+    missed = [o for o in res["options"] if not o["meets"]]
+    if missed:
+        console.print(
+            "Cannot meet the targets: " + "; ".join(f"{o['gpu']} ({o['why']})" for o in missed), soft_wrap=True
+        )
+    console.print(
+        "replicas: copies of the model, each on one GPU or TP tensor-parallel GPUs (PCIe: over PCIe, its time too "
+        "optimistic, ranked last), engine vLLM. goodput/rep: requests/s one replica serves "
+        f"with {tg['percentile']:g} % of them within both targets (DistServe's goodput). busy: most requests in one "
+        f"replica at once at this traffic. TTFT, TPOT: at this traffic, simulated. binds: what fails first above "
+        "the goodput. $/month: the GPUs up every hour of --hours-per-day, at the cheapest price (cloud, or on-prem: "
+        "purchase over its life + power). $/M out: per million output tokens at this traffic. ★ cheapest that meets "
+        "the targets. `--json` adds every price, the latency-against-load curve and the sources.",
+        soft_wrap=True,
+    )
+    best = next((o for o in res["options"] if o["cheapest"]), None)
+    if best:
+        console.print(
+            f"Recommended: [bold]{best['gpus']} x {best['gpu']}[/] ({best['replicas']} replica"
+            f"{'s' if best['replicas'] > 1 else ''}), "
+            f"{usd(best['usd_per_month'])} a month ({best['cheapest_provider']})"
+        )
+    if res["hosted"]:
+        console.print(f"[bold]Hosted APIs serving {m['name']}[/] (the same traffic, a month):")
+        for h in res["hosted"][:6]:
+            be = h.get("breakeven_rps")
+            verdict = (
+                (f"GPUs cheaper above {be:.3g} requests/s" if be is not None else "the API is cheaper at any traffic")
+                if best
+                else ""
+            )
+            console.print(
+                f"  {h['provider']:<16} {usd(h['usd_per_month']):>10}  (${h['usd_in']:g} in, ${h['usd_out']:g} out "
+                f"per M, {dated(h['as_of'])}){'  ' + verdict if verdict else ''}",
+                soft_wrap=True,
+            )
+    else:
+        console.print(f"No hosted API in gpuwise's table serves {m['name']} (plan/data/hosted_prices.csv).")
+    if res["closed"]:
+        cheap = res["closed"][0]
+        console.print(
+            f"Closed models for comparison: {cheap['api_model']} ({cheap['provider']}) {usd(cheap['usd_per_month'])} "
+            f"a month; {res['closed'][-1]['api_model']} {usd(res['closed'][-1]['usd_per_month'])}.",
+            soft_wrap=True,
+        )
+    console.print("[dim]Assumptions: " + "; ".join(res["assumptions"]) + "[/]", soft_wrap=True)

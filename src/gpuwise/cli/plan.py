@@ -15,7 +15,7 @@ from gpuwise.plan.presets import PRESETS
 EPILOG = "Presets: " + ", ".join(PRESETS) + "."
 
 # StrEnum: a member is its value, so the plan request takes them as plain strings.
-Task = StrEnum("Task", ["inference", "finetune", "lora", "qlora", "pretrain"])
+Task = StrEnum("Task", ["inference", "serve", "finetune", "lora", "qlora", "pretrain"])
 Precision = StrEnum("Precision", ["fp32", "bf16", "fp16", "fp8"])
 Optimizer = StrEnum("Optimizer", ["adamw", "adamw-8bit", "sgd"])
 Checkpointing = StrEnum("Checkpointing", ["none", "selective", "full"])
@@ -74,6 +74,35 @@ GpuOpt = Annotated[
 
 UtilizationOpt = Annotated[float | None, typer.Option(help="On-prem: share of the life the GPUs are busy [0.6].")]
 
+# --task serve: the traffic and the targets
+SERVE = "Serving capacity (--task serve)"
+RpsOpt = Annotated[float | None, typer.Option(help="Requests per second at the busy hour.", rich_help_panel=SERVE)]
+UsersOpt = Annotated[
+    float | None, typer.Option(help="People using it (with --requests-per-user-hour).", rich_help_panel=SERVE)
+]
+PerUserOpt = Annotated[
+    float | None, typer.Option(help="Requests one person sends in the busy hour.", rich_help_panel=SERVE)
+]
+PromptTokensOpt = Annotated[int | None, typer.Option(help="Mean prompt tokens a request.", rich_help_panel=SERVE)]
+OutputTokensOpt = Annotated[int | None, typer.Option(help="Mean answer tokens a request.", rich_help_panel=SERVE)]
+ProfileOpt = Annotated[
+    str | None,
+    typer.Option(help="Request lengths of a public trace: chat, rag, summarize, code.", rich_help_panel=SERVE),
+]
+# The default targets are MLPerf Inference's for its Llama 2 70B server scenario (TTFT 2 s, TPOT 200 ms).
+TtftOpt = Annotated[
+    float, typer.Option(help="Target time to first token, seconds [MLPerf's 2].", rich_help_panel=SERVE)
+]
+TpotOpt = Annotated[
+    float, typer.Option(help="Target time per output token, seconds [MLPerf's 0.2].", rich_help_panel=SERVE)
+]
+PercentileOpt = Annotated[
+    float, typer.Option(help="The share of requests (%) that must meet both targets.", rich_help_panel=SERVE)
+]
+HoursOpt = Annotated[
+    float, typer.Option(help="Hours a day the endpoint is up (priced every hour up).", rich_help_panel=SERVE)
+]
+
 
 def plan(
     model: ModelOpt = None,
@@ -104,18 +133,75 @@ def plan(
     utilization: UtilizationOpt = None,
     kwh_usd: Annotated[float | None, typer.Option(help="On-prem: electricity, USD per kWh [0.15].")] = None,
     pue: Annotated[float | None, typer.Option(help="On-prem: data-centre PUE [1.4].")] = None,
+    rps: RpsOpt = None,
+    users: UsersOpt = None,
+    requests_per_user_hour: PerUserOpt = None,
+    prompt_tokens: PromptTokensOpt = None,
+    output_tokens: OutputTokensOpt = None,
+    profile: ProfileOpt = None,
+    ttft: TtftOpt = 2.0,
+    tpot: TpotOpt = 0.2,
+    percentile: PercentileOpt = 95,
+    hours_per_day: HoursOpt = 24,
     catalog: CatalogOpt = None,
     as_json: JsonOpt = False,
 ):
     """Memory, time and cost of a model x task on every accelerator of the catalog (or one, with --gpu).
 
     Example: gpuwise plan --model llama-3.1-8b --task qlora
+
+    Serving: gpuwise plan --model llama-3.1-8b --task serve --users 300 --requests-per-user-hour 6 --profile chat
     """
     # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.plan.planner import plan_for
     from gpuwise.plan.request import PlanRequest, check_flags
 
     tracing = bool(workload or module or traced)
+    serving = dict(
+        rps=rps,
+        users=users,
+        requests_per_user_hour=requests_per_user_hour,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        profile=profile,
+    )
+    if str(task) == "serve":
+        others = dict(
+            gen=gen,
+            tokens=tokens,
+            epochs=epochs,
+            dataset_tokens=dataset_tokens,
+            optimizer=optimizer,
+            checkpointing=checkpointing,
+            lora_rank=lora_rank,
+            lora_targets=lora_targets,
+            gpus=gpus,
+            tp=tp,
+            pp=pp,
+            zero=zero,
+            provider=provider,
+            life_years=life_years,
+            utilization=utilization,
+            kwh_usd=kwh_usd,
+            pue=pue,
+            workload=workload,
+            module=module,
+        )
+        given = [k for k, v in others.items() if v is not None] + (["batch"] if batch != 1 else [])
+        given += ["seq"] if seq != 2048 else []
+        given += ["traced"] if traced else []
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise GpuwiseError(
+                f"{flag} does not apply to --task serve: a serving plan takes the traffic (--rps or --users, "
+                "--prompt-tokens, --output-tokens or --profile) and the targets (--ttft, --tpot, --percentile)"
+            )
+        return _serve(
+            model, serving, ttft, tpot, percentile, hours_per_day, precision, gpu, efficiency, catalog, as_json
+        )
+    for name, value in serving.items():
+        if value is not None:
+            raise GpuwiseError(f"--{name.replace('_', '-')} applies to --task serve, not to {task or 'inference'}")
     req = PlanRequest(
         # A traced plan runs a training step (a workload is trained), so its task goes without saying.
         task=str(task) if task else ("finetune" if tracing else "inference"),
@@ -165,6 +251,37 @@ def plan(
         from gpuwise.views import render_plan
 
         render_plan(console, result, sweep=gpu is None)
+
+
+def _serve(model, serving, ttft, tpot, percentile, hours_per_day, precision, gpu, efficiency, catalog, as_json):
+    """--task serve: the serving capacity plan (plan/capacity.py)."""
+    # here, not at the top: `gpuwise --help` and the other commands start without it
+    from gpuwise.plan.capacity import capacity_plan
+    from gpuwise.plan.model import resolve_model
+    from gpuwise.plan.request import RANGES
+    from gpuwise.plan.traffic import check_hours, targets, traffic
+    from gpuwise.runs import db as rundb
+
+    demand = traffic(**serving)
+    goal = targets(ttft, tpot, percentile)
+    hours = check_hours(hours_per_day)
+    low, high = next((lo, hi) for flag, _, lo, hi, _ in RANGES if flag == "--efficiency")
+    if efficiency is not None and not low <= efficiency <= high:
+        raise GpuwiseError(f"--efficiency must be at least {low:g} and at most {high:g}, not {efficiency:g}")
+    if model is None:
+        raise GpuwiseError("--task serve plans a language model: give --model")
+    cat = load_catalog(catalog)
+    result = capacity_plan(
+        resolve_model(model), demand, goal, cat, str(precision) if precision else "bf16", hours, gpu, efficiency
+    )
+    result["record_id"] = rundb.try_record("plan", gpu or "catalog sweep", result["model"]["name"], result)
+    if as_json:
+        emit(result)
+        return
+    # here, not at the top: `gpuwise --help` and the other commands start without it
+    from gpuwise.views import render_capacity
+
+    render_capacity(console, result)
 
 
 def workload_step(name: str):

@@ -24,6 +24,20 @@ VLLM_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # a weight's and a cached 
 GPU_MEMORY_UTILIZATION = 0.9
 
 
+def vllm_scheduler(mem_bytes: float, device_name: str) -> tuple[int, int, str]:
+    """vLLM's OpenAI server's own defaults on a GPU: (max_num_seqs, max_num_batched_tokens, where from). gpuwise
+    leaves them to vLLM, and the capacity plan simulates what vLLM then does (vllm/engine/arg_utils.py, 0.32:
+    by the device's memory, and A100s kept at the small defaults)."""
+    gib = mem_bytes / 2**30
+    if gib >= 160:
+        seqs, tokens = 1024, 16384
+    elif gib >= 70 and "a100" not in device_name.lower():
+        seqs, tokens = 1024, 8192
+    else:
+        seqs, tokens = 256, 2048
+    return seqs, tokens, f"vLLM 0.32 defaults for {gib:.0f} GiB: max_num_seqs {seqs}, max_num_batched_tokens {tokens}"
+
+
 def auto_engine(
     device: str,
     vllm_found: bool,
@@ -221,7 +235,6 @@ def serving_plan(result: dict, model_ref: str, source: str, gen: int, kind: str)
     out["vllm"], out["command"] = args.args(), args.command()
     out["summary"] = args.summary()
     if engine == "llama.cpp":  # the GGUF as it ships; the slots and their KV cache from the plan
-
         lcpp = LlamaCppArgs(
             model=str(named_base_path(model_ref)) if model_ref in _named_bases() else model_ref,
             served_name=result["model"]["name"],

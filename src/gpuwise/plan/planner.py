@@ -232,7 +232,6 @@ def plan_for(model: str, req: PlanRequest, catalog: Catalog) -> tuple[dict[str, 
     spec = resolve_model(model)
     result = make_plan(spec, req, catalog)
     if req.task == "inference" and result.get("fits"):  # how `gpuwise serve` would serve it there
-
         kind = catalog.get(result["gpu"]).kind
         result["serving"] = serving_plan(result, model, spec.source, req.gen or 0, kind)
     return result, warning
