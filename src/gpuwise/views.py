@@ -376,7 +376,8 @@ def render_capacity(console: Console, res: dict) -> None:
         )
     console.print(
         "replicas: copies of the model, each on one GPU or TP tensor-parallel GPUs (PCIe: over PCIe, its time too "
-        "optimistic, ranked last), engine vLLM. goodput/rep: requests/s one replica serves "
+        "optimistic, ranked last); the engine: vLLM on GPUs, on this CPU the one `gpuwise bench --serve` measured. "
+        "goodput/rep: requests/s one replica serves "
         f"with {tg['percentile']:g} % of them within both targets (DistServe's goodput). busy: most requests in one "
         f"replica at once at this traffic. TTFT, TPOT: at this traffic, simulated. binds: what fails first above "
         "the goodput. $/month: the GPUs up every hour of --hours-per-day, at the cheapest price (cloud, or on-prem: "

@@ -80,11 +80,37 @@ def bench(
             "picks here), 32-true or bf16-mixed."
         ),
     ] = "auto",
+    serve: Annotated[
+        str | None,
+        typer.Option(
+            help="Measure instead the step times of the engine serving this language model here (a named base, a "
+            "model directory, a .gguf), for `gpuwise plan --task serve`.",
+            rich_help_panel="Serving (--serve)",
+        ),
+    ] = None,
+    engine: Annotated[
+        str,
+        typer.Option(help="With --serve: gpuwise, vllm or llama.cpp.", rich_help_panel="Serving (--serve)"),
+    ] = "gpuwise",
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="With --serve: the served dtype (gpuwise serve --dtype).", rich_help_panel="Serving (--serve)"
+        ),
+    ] = None,
     catalog: CatalogOpt = None,
     as_json: JsonOpt = False,
 ):
     """CPU vs GPU, timed: matmul per dtype, memory bandwidth, host<->device copies and a training
-    step of each workload, each as a fraction of the device's peak; a PNG chart beside the JSON."""
+    step of each workload, each as a fraction of the device's peak; a PNG chart beside the JSON.
+
+    With --serve MODEL: the serving engine's prefill and decode steps on this machine, through `gpuwise serve`,
+    fitted to the step `gpuwise plan --task serve` simulates, and recorded for it.
+    """
+    if serve is not None:
+        return _serve(serve, engine, dtype, quick, workload, as_json)
+    if engine != "gpuwise" or dtype is not None:
+        raise GpuwiseError("--engine and --dtype apply to --serve MODEL")
     # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.bench.chart import draw
     from gpuwise.bench.run import parse_devices, run_bench
@@ -147,3 +173,44 @@ def bench(
     else:
         render(console, result)
         console.print(f"wrote {result.files.json_path} and {result.files.png}")
+
+
+def _serve(model: str, engine: str, dtype: str | None, quick: bool, workload, as_json: bool) -> None:
+    """`gpuwise bench --serve MODEL`: bench/serving.py, recorded and printed."""
+    if engine not in ("gpuwise", "vllm", "llama.cpp"):
+        raise GpuwiseError(f"--engine {engine}: must be one of gpuwise, vllm, llama.cpp")
+    if quick or workload:
+        raise GpuwiseError("--quick and --workload apply to the device bench, not to --serve")
+    if not model.strip():
+        raise GpuwiseError("--serve needs a model: a named base, a model directory or a .gguf")
+    # here, not at the top: `gpuwise --help` and the other commands start without it
+    from gpuwise.bench.serving import bench_serve
+    from gpuwise.hardware.cpu import detect_cpu
+    from gpuwise.runs import db as rundb
+
+    status = Console(stderr=True)
+    with status.status("measuring the serving engine") as spinner:
+        data = bench_serve(model, engine, dtype, detect_cpu().model, lambda msg: spinner.update(msg))
+    data["record_id"] = rundb.try_record("bench-serve", "cpu", model, data)
+    if as_json:
+        emit(data)
+        return
+    f = data["fit"]
+    console.print(f"[bold]{model}[/] on {data['host']} ({data['cores']} cores), engine {engine}: {data['method']}")
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("step", "streams", "prompt", "measured", "fitted", "error"):
+        t.add_column(col, justify="left" if col == "step" else "right")
+    for p in data["points"]:
+        what = "time to first token" if p["kind"] == "prefill" else "time per output token"
+        err = p["fitted"] / p["seconds"] - 1
+        t.add_row(what, str(p["rows"]), str(p["prompt"]), f"{p['seconds'] * 1e3:.2f} ms", f"{p['fitted'] * 1e3:.2f} ms",
+                  f"{err:+.0%}")  # fmt: skip
+    console.print(t)
+    console.print(
+        f"step = {f['a'] * 1e3:.3f} ms + {f['b'] * 1e6:.3f} us x tokens + {f['c'] * 1e9:.3f} ns x context read "
+        f"+ {f['d'] * 1e12:.3f} ps x attention pairs; a request's time outside the steps {f['request_s'] * 1e3:.2f} ms"
+    )
+    if data["record_id"] is not None:
+        console.print(
+            f"recorded as #{data['record_id']}: `gpuwise plan --model {model} --task serve --gpu cpu` uses it"
+        )

@@ -236,8 +236,9 @@ def plan(
     if sum(x is not None for x in (model, workload, module)) != 1:
         raise GpuwiseError("give exactly one of --model, --workload or --module")
     if tracing:
-        given = precision is not None
-        return _traced(model, workload, module, req, load_catalog(catalog), as_json, precision_given=given)
+        return _traced(
+            model, workload, module, req, load_catalog(catalog), as_json, precision_given=precision is not None
+        )
     assert model is not None  # exactly one of --model/--workload/--module was checked above
     result, warning = plan_for(model, req, load_catalog(catalog))
     if warning:  # the record could not be read: nor is the plan written to it (no second warning)
@@ -271,9 +272,20 @@ def _serve(model, serving, ttft, tpot, percentile, hours_per_day, precision, gpu
     if model is None:
         raise GpuwiseError("--task serve plans a language model: give --model")
     cat = load_catalog(catalog)
-    result = capacity_plan(
-        resolve_model(model), demand, goal, cat, str(precision) if precision else "bf16", hours, gpu, efficiency
-    )
+    spec = resolve_model(model)
+    measured = None
+    if gpu in (None, "cpu"):  # this machine's engines, as `gpuwise bench --serve` measured them
+        # here, not at the top: `gpuwise --help` and the other commands start without it
+        from gpuwise.bench.serving import serve_fits
+        from gpuwise.hardware.cpu import detect_cpu
+
+        host = detect_cpu().model
+        try:
+            measured = serve_fits(model, host) or serve_fits(spec.name, host)
+        except GpuwiseError as e:  # the record only adds this machine's option: a broken one must not cost the plan
+            print(f"gpuwise: warning: planning without this machine's measured steps: {e}", file=sys.stderr)
+    prec = str(precision) if precision else "bf16"
+    result = capacity_plan(spec, demand, goal, cat, prec, hours, gpu, efficiency, measured)
     result["record_id"] = rundb.try_record("plan", gpu or "catalog sweep", result["model"]["name"], result)
     if as_json:
         emit(result)

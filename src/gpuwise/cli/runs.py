@@ -41,7 +41,20 @@ def _headline(r: dict[str, Any]) -> str:
         return headline(result)
     if isinstance(result, BenchResult):
         return ", ".join(f"{k} {len(v.workloads)} workloads" for k, v in result.devices.items())
-    d = r["data"]  # a traced plan: its figures are per step, not per job
+    d = r["data"]
+    if r["kind"] == "bench-serve":  # a serving engine's steps measured here
+        f = d.get("fit") if isinstance(d.get("fit"), dict) else {}
+        points = len(d.get("points") or [])
+        return f"{d.get('engine')} steps: {float(f.get('a') or 0) * 1e3:.2f} ms + per token, {points} points"
+    if d.get("task") == "serve":  # a serving capacity plan: the recommended option
+        best = next((o for o in d.get("options", []) if isinstance(o, dict) and o.get("cheapest")), None)
+        rps = (d.get("traffic") or {}).get("rps")
+        if best is None:
+            return f"serve {rps} req/s: no option meets the targets"
+        return (
+            f"serve {rps} req/s: {best.get('gpus')} x {best.get('gpu')}, ${best.get('usd_per_month') or 0:,.0f}/month"
+        )
+    # a traced plan: its figures are per step, not per job
     return f"{d.get('gpus')} x {d.get('gpu')}, fits {d.get('fits')}, traced"
 
 

@@ -72,6 +72,24 @@ class Roofline:
 
 
 @dataclass(frozen=True)
+class Fitted:
+    """A step measured on this machine (`gpuwise bench --serve`): a + b x tokens + c x context read + d x attention
+    pairs, fitted by non-negative least squares to the engine's measured prefill and decode times. A CPU's
+    step grows with what it computes and reads alike; there is no roofline corner to find."""
+
+    a: float
+    b: float
+    c: float
+    d: float
+
+    def seconds(self, tokens: float, kv_tokens: float, pairs: float) -> float:
+        return self.a + self.b * tokens + self.c * kv_tokens + self.d * pairs
+
+    def compute_bound(self, tokens: float, kv_tokens: float, pairs: float) -> bool:
+        return self.b * tokens + self.d * pairs > self.a + self.c * kv_tokens
+
+
+@dataclass(frozen=True)
 class Replica:
     """One copy of the served model: `tp` GPUs of `acc`, how a step takes its time, the scheduler's limits."""
 
@@ -83,6 +101,7 @@ class Replica:
     weight_bytes: float  # per GPU
     kv_bytes_per_token: float  # per GPU
     source: str  # where the step times come from
+    request_s: float = 0.0  # a request's time outside the steps (HTTP, tokenizing): measured on a CPU
 
     @property
     def gpus(self) -> int:
@@ -158,7 +177,7 @@ class Load:
 
 def run_at(replica: Replica, traffic: Traffic, targets: Targets, rate: float, n: int = REQUESTS) -> Load:
     reqs = poisson(rate, n, traffic.prompt_tokens, traffic.output_tokens, seed=0)
-    return Load(rate, simulate(replica.step, replica.limits, reqs), targets)
+    return Load(rate, simulate(replica.step, replica.limits, reqs, request_s=replica.request_s), targets)
 
 
 def saturation_rate(replica: Replica, traffic: Traffic) -> float:
@@ -280,44 +299,60 @@ def tp_choices(model: ModelSpec, acc: Accelerator) -> list[int]:
     return [t for t in (1, 2, 4, 8, 16) if t <= acc.max_per_node and model.heads % t == 0]
 
 
-def plan_option(
-    model: ModelSpec,
-    acc: Accelerator,
-    traffic: Traffic,
-    targets: Targets,
-    catalog: Catalog,
-    precision: str,
-    hours_day: float,
-    efficiency: float | None = None,
-) -> dict[str, Any]:
-    """One accelerator's answer: the cheapest tensor-parallel degree (of the smallest that fits and the two
-    above) that meets the targets, its replicas, latency at the traffic, cost, and curve."""
-    need = traffic.prompt_tokens + traffic.output_tokens
-    tried: list[tuple[float, Replica, Goodput]] = []
-    why = f"no {precision} peak in the catalog" if not acc.peak_tflops(precision) else ""
+def gpu_candidates(
+    model: ModelSpec, acc: Accelerator, precision: str, efficiency: float | None, need: int
+) -> tuple[list[Replica], str]:
+    """vLLM replicas of `acc` at each tensor-parallel degree that holds a request of `need` tokens; and why
+    there are none, where there are none."""
+    if not acc.peak_tflops(precision):
+        return [], f"no {precision} peak in the catalog"
+    out, why = [], ""
     for tp in tp_choices(model, acc):
         replica = gpu_replica(model, acc, precision, tp, efficiency)
         if replica is None or replica.limits.kv_tokens < need:
-            why = why or f"the weights and one request's {need:,} tokens of KV cache do not fit on {tp} GPU(s)"
+            why = f"the weights and one request's {need:,} tokens of KV cache do not fit on {tp} GPU(s)"
             continue
+        out.append(replica)
+    return out, why
+
+
+def plan_option(
+    acc: Accelerator,
+    candidates: list[Replica],
+    why: str,
+    traffic: Traffic,
+    targets: Targets,
+    catalog: Catalog,
+    hours_day: float,
+    label: str | None = None,
+) -> dict[str, Any]:
+    """One accelerator's answer: of its `candidates` (tensor-parallel degrees, smallest first), the cheapest of
+    the first two that meet the targets (three tried at most), its replicas, latency at the traffic, cost and
+    curve; or `why` none does."""
+    tried: list[tuple[float, Replica, Goodput]] = []
+    for replica in candidates:
         g = goodput(replica, traffic, targets)
         if g.rate <= 0:
-            why = f"TP {tp}: {g.binds} misses the targets"
+            why = (
+                f"TP {replica.tp}: {g.binds} misses the targets" if replica.tp > 1 else f"{g.binds} misses the targets"
+            )
             tried.append((math.inf, replica, g))
         else:
-            tried.append((math.ceil(traffic.rps / g.rate) * tp, replica, g))
+            tried.append((math.ceil(traffic.rps / g.rate) * replica.tp, replica, g))
         if len([t for t in tried if t[0] < math.inf]) >= 2 or len(tried) >= 3:
             break
-    base = {"gpu": acc.slug, "gpu_name": acc.name, "kind": acc.kind}
+    base = {"gpu": label or acc.slug, "gpu_name": acc.name, "kind": acc.kind}
     meets = [t for t in tried if t[0] < math.inf]
     if not meets:
         last = tried[-1] if tried else None
         return base | {
             "meets": False,
+            "slow_link": False,
             "why": why,
             "alone": last[2].alone.point() if last and last[2].alone else None,
         }
-    gpus, replica, g = min(meets, key=lambda t: (t[0], t[1].tp))
+    most, replica, g = min(meets, key=lambda t: (t[0], t[1].tp))
+    gpus = int(most)
     replicas = gpus // replica.tp
     at = run_at(replica, traffic, targets, traffic.rps / replicas)
     costs = option_costs(catalog, acc, gpus, hours_day)
@@ -326,6 +361,7 @@ def plan_option(
     q = targets.percentile
     return base | {
         "meets": True,
+        "slow_link": replica.tp > acc.nvlink_domain,
         "engine": replica.engine,
         "tp": replica.tp,
         "replicas": replicas,
@@ -358,9 +394,11 @@ def capacity_plan(
     hours_day: float = 24,
     gpu: str | None = None,
     efficiency: float | None = None,
+    measured: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Every accelerator's option (or `gpu`'s), the cheapest that meets the targets starred, and the hosted
-    APIs beside them."""
+    """Every accelerator's option (or `gpu`'s; "cpu": this machine's), the cheapest that meets the targets
+    starred, and the hosted APIs beside them. `measured`: this machine's `gpuwise bench --serve` records of
+    the model, one option each."""
     if not model.causal:
         raise GpuwiseError(f"{model.name} is an encoder ({model.family}): it generates no tokens to serve")
     if traffic.prompt_tokens + traffic.output_tokens > model.max_seq > 0:
@@ -368,12 +406,17 @@ def capacity_plan(
             f"--prompt-tokens + --output-tokens = {traffic.prompt_tokens + traffic.output_tokens:,} is longer than "
             f"{model.name}'s context of {model.max_seq:,} tokens"
         )
-    accs = [catalog.get(gpu)] if gpu else [a for a in catalog.accelerators.values() if a.kind == "gpu"]
-    options = [plan_option(model, a, traffic, targets, catalog, precision, hours_day, efficiency) for a in accs]
+    need = traffic.prompt_tokens + traffic.output_tokens
+    options = []
+    if gpu != "cpu":
+        accs = [catalog.get(gpu)] if gpu else [a for a in catalog.accelerators.values() if a.kind == "gpu"]
+        for a in accs:
+            candidates, why = gpu_candidates(model, a, precision, efficiency, need)
+            options.append(plan_option(a, candidates, why, traffic, targets, catalog, hours_day))
+    if gpu in (None, "cpu"):
+        options += cpu_options(model, traffic, targets, catalog, hours_day, measured)
     # Tensor parallel over PCIe: its all-reduces cost far more than the NVLink latency priced here, so such an
     # option ranks after every other (as `gpuwise plan` ranks them) and is starred only where nothing else meets.
-    for o in options:
-        o["slow_link"] = o["meets"] and o["tp"] > catalog.get(o["gpu"]).nvlink_domain
     priced = [o for o in options if o["meets"] and o["usd_per_month"] is not None]
     best = min(priced, key=lambda o: (o["slow_link"], o["usd_per_month"])) if priced else None
     for o in options:
@@ -426,3 +469,53 @@ def capacity_plan(
             f"{GPU_MEMORY_UTILIZATION:.0%} of GPU memory for weights and KV cache",
         ],
     }
+
+
+def cpu_options(
+    model: ModelSpec,
+    traffic: Traffic,
+    targets: Targets,
+    catalog: Catalog,
+    hours_day: float,
+    measured: list[dict[str, Any]] | None,
+) -> list[dict[str, Any]]:
+    """This machine's options: one for each engine `gpuwise bench --serve` measured the model on here; or one
+    that says how to measure it."""
+    # here, not at the top: the catalog's GPUs plan without detecting this machine
+    from gpuwise.hardware.devices import here
+
+    acc, _ = here(catalog)
+    if acc.kind != "cpu":
+        return []
+    if not measured:
+        why = f"not measured here: run `gpuwise bench --serve {model.name}` to measure this CPU's engine"
+        return [plan_option(acc, [], why, traffic, targets, catalog, hours_day, label="cpu")]
+    need = traffic.prompt_tokens + traffic.output_tokens
+    out = []
+    for fit in measured:
+        replica = measured_replica(model, acc, fit)
+        label = f"cpu ({fit['engine']})"
+        if replica.limits.kv_tokens < need or need > fit.get("context", need):
+            why = f"a request's {need:,} tokens exceed what the engine was measured to hold"
+            out.append(plan_option(acc, [], why, traffic, targets, catalog, hours_day, label=label))
+        else:
+            out.append(plan_option(acc, [replica], "", traffic, targets, catalog, hours_day, label=label))
+    return out
+
+
+def measured_replica(model: ModelSpec, acc: Accelerator, fit: dict[str, Any]) -> Replica:
+    """A replica of this machine from a `gpuwise bench --serve` record's data: its fitted step and the limits
+    the engine was measured under."""
+    f, lim = fit["fit"], fit["limits"]
+    step = Fitted(f["a"], f["b"], f["c"], f["d"])
+    limits = Limits(
+        max_seqs=lim["max_seqs"],
+        token_budget=lim["token_budget"],
+        kv_tokens=lim["kv_tokens"],
+        chunk_ratio=lim.get("chunk_ratio", 0.0),
+        solo_chunk_s=lim.get("solo_chunk_s", 0.0),
+    )
+    source = (
+        f"measured by gpuwise bench --serve on {fit['host']} ({fit['engine']}, {fit['dtype']}, record #{fit['id']})"
+    )
+    return Replica(acc, 1, step, limits, fit["engine"], 0.0, 0.0, source, request_s=f["request_s"])

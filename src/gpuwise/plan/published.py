@@ -49,7 +49,7 @@ def measurements() -> list[Measurement]:
             "rate": float(r["rate"]),
             "published": float(r["published"]),
         }
-        rows.append(Measurement(**(r | typed)))
+        rows.append(Measurement(**(dict(r) | typed)))  # type: ignore[arg-type]  # typed: the numeric columns
     return rows
 
 

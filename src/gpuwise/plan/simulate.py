@@ -41,11 +41,18 @@ class StepTime(Protocol):
 
 @dataclass(frozen=True)
 class Limits:
-    """What one replica's scheduler may hold: sequences at once, tokens a step, and the KV cache in tokens."""
+    """What one replica's scheduler may hold: sequences at once, tokens a step, and the KV cache in tokens.
+
+    With `chunk_ratio`, prompt chunks are sized by time, as gpuwise's engine sizes them (its engine.py): about
+    `chunk_ratio` decode steps while others decode, `solo_chunk_s` alone, at least `min_chunk` tokens a prompt,
+    and never more than `token_budget` tokens."""
 
     max_seqs: int
     token_budget: int
     kv_tokens: int
+    chunk_ratio: float = 0.0
+    solo_chunk_s: float = 0.0
+    min_chunk: int = 16
 
 
 @dataclass(frozen=True)
@@ -119,12 +126,26 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def timed_budget(step: StepTime, limits: Limits, rows: int, ctx: float, prompts: int) -> int:
+    """Prompt tokens a step may add when chunks are sized by time (Limits.chunk_ratio)."""
+    base = step.seconds(rows, ctx, ctx)
+    per_token = max(1e-12, step.seconds(rows + 1, ctx + 1, ctx + 1) - base)
+    target = limits.chunk_ratio * base if rows else limits.solo_chunk_s
+    return max(limits.min_chunk * max(1, prompts), int(target / per_token))
+
+
 def simulate(
-    step: StepTime, limits: Limits, requests: list[Request], warmup: float = 0.1, bounded: bool = True
+    step: StepTime,
+    limits: Limits,
+    requests: list[Request],
+    warmup: float = 0.1,
+    bounded: bool = True,
+    request_s: float = 0.0,
 ) -> Outcome:
     """Run the scheduler over `requests` (sorted by arrival) to the last finish. The first `warmup` share of the
     requests fill the engine and are not measured. Stops early, `overloaded`, when the queue outgrows what the
-    replica could ever catch up on (not when `bounded` is False: a burst sent at once)."""
+    replica could ever catch up on (not when `bounded` is False: a burst sent at once). `request_s`: a request's
+    time outside the engine's steps (HTTP, tokenizing), added to its TTFT."""
     out = Outcome()
     measured_from = int(len(requests) * warmup)
     index = {id(r): i for i, r in enumerate(requests)}
@@ -144,9 +165,9 @@ def simulate(
         i = index[id(s.req)]
         if i >= measured_from:
             first = s.first if s.first is not None else t
-            out.ttft.append(first - s.req.arrive)
+            out.ttft.append(first - s.req.arrive + request_s)
             out.tpot.append((t - first) / (s.req.output - 1) if s.req.output > 1 else 0.0)
-            out.e2e.append(t - s.req.arrive)
+            out.e2e.append(t - s.req.arrive + request_s)
 
     def join(s: _Seq) -> None:
         nonlocal ctx_base
@@ -196,6 +217,8 @@ def simulate(
 
         # prompt chunks this step: those prefilling first, then newcomers while the limits allow
         budget = limits.token_budget - n
+        if limits.chunk_ratio:
+            budget = min(budget, timed_budget(step, limits, n, ctx, len(prefilling) + bool(waiting)))
         chunks: list[tuple[_Seq, int]] = []
         room = limits.kv_tokens - used - n
         for s in prefilling:

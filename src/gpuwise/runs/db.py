@@ -220,10 +220,11 @@ def get(record_id: int, path: Path | None = None) -> dict:
 
 def typed(row: dict[str, Any], path: Path | None = None) -> Result | None:
     """A record's data as the result its kind declares (PlanResult, BenchResult, TrainSummary); None for a
-    plan traced on fake tensors (a shape of its own) or a kind this gpuwise does not know. Data that does not
+    plan traced on fake tensors or a serving capacity plan (shapes of their own) or a kind this gpuwise does not
+    know. Data that does not
     fit its kind (hand-edited, damaged) is one line naming the record."""
     kind = KINDS.get(row["kind"])
-    if kind is None or (row["kind"] == "plan" and row["data"].get("traced")):
+    if kind is None or (row["kind"] == "plan" and (row["data"].get("traced") or row["data"].get("task") == "serve")):
         return None
     return load_data(row, kind, path)
 

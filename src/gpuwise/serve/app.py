@@ -60,6 +60,9 @@ class Info(BaseModel):
     limits: dict
     steps: int | None = Field(None, description="optimizer steps the served run was trained for (its summary.json)")
     eval: dict = Field(default_factory=dict, description="the run's held-out metrics, as `gpuwise train` scored them")
+    serving: dict | None = Field(
+        None, description="a language model's serving plan: context, KV bytes a token, KV budget (tokens), slots"
+    )
 
 
 def _error(status: int, message: str, **headers) -> JSONResponse:
@@ -288,6 +291,7 @@ def create_app(served, settings: Settings, run_id: str, precision: str):
             limits=asdict(limits),
             steps=trained.steps if trained else None,
             eval=trained.eval if trained else {},
+            serving=asdict(served.backends[0].serving) if hasattr(served, "backends") else None,
         )
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -41,6 +41,7 @@ class Params:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    ignore_eos: bool = False  # generate max_tokens tokens whatever they are (benchmarks: lengths they set)
 
 
 Sink = Callable[[dict], None]  # called from the engine's thread or task with {"text": ...} or {"finish": ...}

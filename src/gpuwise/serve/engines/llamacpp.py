@@ -188,6 +188,8 @@ class LlamaCppEngine(StreamingEngine):
         }
         if p.stop:
             body["stop"] = p.stop
+        if p.ignore_eos:
+            body["ignore_eos"] = True
         if p.seed is not None:
             body["seed"] = p.seed % SEED_MOD
         return body

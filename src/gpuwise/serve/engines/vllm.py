@@ -101,6 +101,8 @@ class VLLMEngine(StreamingEngine):
         }
         if p.stop:
             body["stop"] = p.stop
+        if p.ignore_eos:
+            body["ignore_eos"] = True
         if p.seed is not None:  # gpuwise takes seeds up to 2^64 - 1, vLLM up to 2^63 - 1: the same seed, folded
             body["seed"] = p.seed & (2**63 - 1)
         return body

@@ -83,7 +83,7 @@ def params(llm: LLM, backend: Backend, max_tokens: int | None, prompt_len: int, 
             f"this model's context is {context} tokens; the prompt ({prompt_len}) plus max_tokens "
             f"({max_tokens}) asks for {prompt_len + max_tokens}",
         )
-    return Params(max_tokens, ask.temperature, ask.top_p, list(ask.stops() or []), ask.seed)
+    return Params(max_tokens, ask.temperature, ask.top_p, list(ask.stops() or []), ask.seed, ask.ignore_eos)
 
 
 def chat(llm: LLM, body: bytes) -> Decoded:

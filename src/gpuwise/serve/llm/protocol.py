@@ -67,6 +67,7 @@ class Sampling(Lenient):
         description="Same seed, same prompt, same answer (on one server); a 64-bit integer",
     )
     n: int = Field(1, description="Only 1: one answer per request")
+    ignore_eos: bool = Field(False, description="vLLM's extension: generate max_tokens tokens, past end-of-text")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

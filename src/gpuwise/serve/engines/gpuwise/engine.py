@@ -49,6 +49,7 @@ from gpuwise.serve.engines.gpuwise.kvcache import PrefixCache, SlotCache, additi
 
 log = logging.getLogger("gpuwise.serve")
 
+
 @dataclass
 class Rows:
     """A group of rows for one forward pass: whose they are (in row order), ids and positions [n, q], the
@@ -419,7 +420,7 @@ class Engine:
             else:
                 self.stats.on_token(now - s.t_last)
             s.t_last = now
-            if token in self.eos:
+            if token in self.eos and not s.params.ignore_eos:
                 self._end(s, "stop")
                 continue
             s.out.append(token)
