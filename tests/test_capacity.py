@@ -289,3 +289,30 @@ def test_an_encoder_is_not_served(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert main(["plan", "--model", str(tmp_path / "config.json"), "--task", "serve"] + TRAFFIC) == 2
     assert "encoder" in capsys.readouterr().err
+
+
+def test_a_server_on_a_gpu_says_at_start_what_one_replica_holds(monkeypatch):
+    """`gpuwise serve`'s start-up line on a GPU: the catalog's row for it, planned as vLLM; on a CPU with no
+    measurement, how to make one (plan/endpoint.py)."""
+    from gpuwise.hardware import devices
+    from gpuwise.hardware.catalog import load_catalog
+    from gpuwise.plan.capacity import goodput
+    from gpuwise.plan.endpoint import endpoint_replica, startup_line, startup_traffic
+    from gpuwise.plan.traffic import DEFAULT_TARGETS
+
+    cat = load_catalog()
+    monkeypatch.setattr(devices, "here", lambda catalog: (catalog.get("h100-sxm"), "bf16"))
+    replica, why = endpoint_replica("llama-3.1-8b", "gpuwise", "cuda:0", "bf16", cat)
+    assert replica is not None and not why and "this server runs gpuwise" in replica.source
+    line, data = startup_line(replica, why, 8192)
+    assert data is not None and data["goodput_rps"] > 1
+    # the line is the plan's own figure for the default traffic and targets, at the start-up's sample size
+    assert data["goodput_rps"] == goodput(replica, startup_traffic(8192), DEFAULT_TARGETS, n=200).rate
+    assert f"{data['goodput_rps']:.3g} requests/s" in line and "1,020 tokens in, 129 out" in line
+    # a context shorter than the profile: the prompt is cut to fit
+    assert startup_traffic(512).prompt_tokens + startup_traffic(512).output_tokens == 512
+    none, why = endpoint_replica("llama-3.1-8b", "llama.cpp", "cpu", "bf16", cat)
+    assert none is None and "gpuwise bench --serve llama-3.1-8b --engine llama.cpp" in why
+    line, data = startup_line(none, why, 8192)
+    assert data is None and line.endswith(why)
+    assert endpoint_replica("/no/such/run", "gpuwise", "cpu", "fp32", cat)[1].startswith("not planned:")

@@ -60,7 +60,7 @@ def test_the_fit_holds_the_points_it_was_fitted_on(measured):
     assert lim["max_seqs"] == bs.MAX_SEQS and lim["kv_tokens"] >= bs.CONTEXT and lim["chunk_ratio"] == 1.5
 
 
-def test_replayed_arrivals_come_out_as_planned(measured, model_dir, tmp_path):
+def test_replayed_arrivals_come_out_as_planned(measured, model_dir, tmp_path, capsys):
     # Half the planned knee (at most 5 requests/s): throughput is the offered load, for plan and server alike.
     targets, traffic = Targets(1.0, 0.1, 95), Traffic(1.0, 64, 16, "test")
     replica = measured_replica(resolve_model(str(model_dir / "config.json")), here(load_catalog())[0],
@@ -70,12 +70,21 @@ def test_replayed_arrivals_come_out_as_planned(measured, model_dir, tmp_path):
     rate = min(knee / 2, 5.0)  # a tiny model's knee lies beyond what one Python client sends on time
     arrivals = poisson(rate, 40, 64, 16, seed=0)
     planned = run_at(replica, traffic, targets, rate, n=40).point()
-    proc, url, served = bs.start_server(str(model_dir), "gpuwise", "fp32", tmp_path / "serve.log")
+    # the measurement recorded, `gpuwise serve` says at start what it holds, and records its session when it stops
+    db.record("bench-serve", "cpu", str(model_dir), measured | {"model": str(model_dir)})
+    log = tmp_path / "serve.log"
+    proc, url, served = bs.start_server(str(model_dir), "gpuwise", "fp32", log)
     try:
+        startup = httpx.get(url.removesuffix("/v1") + "/v1/info").json()["serving"]["goodput"]
         results = asyncio.run(_replay(url, served, arrivals))
+        metrics = httpx.get(url.removesuffix("/v1") + "/metrics").text
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    assert startup["goodput_rps"] > 0 and "measured by gpuwise bench --serve" in startup["source"]
+    said = f"goodput at TTFT <= 2 s and TPOT <= 0.2 s for 95 % of requests: {startup['goodput_rps']:.3g} requests/s"
+    assert said in log.read_text().replace("\n", " ")
+    assert "gpuwise_request_time_per_output_token_seconds_count 40.0" in metrics
     kept = results[4:]
     throughput = sum(r["tokens"] for r in results) / max(r["end"] for r in results)
     assert throughput == pytest.approx(planned["throughput"], rel=0.25)
@@ -84,6 +93,15 @@ def test_replayed_arrivals_come_out_as_planned(measured, model_dir, tmp_path):
     # pays outside the step; the benchmark compares them on SmolLM2 (docs/benchmarks.md).
     assert all(r["tokens"] == 16 for r in results)
     assert percentile([r["tpot"] for r in kept], 95) <= targets.tpot and planned["attainment"] >= 0.95
+    # the session's record: what it met, measured by the server, beside the plan at the same traffic
+    (session,) = db.rows("serve")
+    actual, expected = session["data"]["actual"], session["data"]["planned"]
+    assert actual["requests"] == 40 and actual["output_tokens"] == 16 and actual["prompt_tokens"] > 0
+    assert actual["rate_rps"] == pytest.approx(40 / max(r["end"] for r in results), rel=0.25)
+    assert actual["attainment"] == 1.0 and expected["attainment"] >= 0.95
+    assert 0 < actual["tpot_p95"] <= targets.tpot and expected["goodput_rps"] > actual["rate_rps"]
+    assert main(["runs"]) == 0
+    assert "served 40 at" in capsys.readouterr().out
 
 
 async def _replay(url, model, arrivals):

@@ -88,8 +88,12 @@ def sse_text(body: str) -> tuple[str, dict]:
 
 def test_the_models_page_lists_what_serve_would_serve_and_what_each_endpoint_answers(finished_run, endpoints):
     models = ui_client(finished_run.parent, endpoints).get("/api/models").json()
-    assert {"name": finished_run.name, "kind": "defects", "path": str(finished_run),
-            "command": f"gpuwise serve {finished_run}"} in models["servable"]
+    assert {
+        "name": finished_run.name,
+        "kind": "defects",
+        "path": str(finished_run),
+        "command": f"gpuwise serve {finished_run}",
+    } in models["servable"]
     images, chat = models["endpoints"]
     assert images["up"] and images["images"] and images["chat"] == [] and images["info"]["workload"] == "defects"
     assert chat["up"] and not chat["images"] and chat["chat"] == ["product-lm"]  # its key sent by the ui
@@ -104,11 +108,16 @@ def test_a_chat_and_an_image_sent_through_the_ui_get_the_endpoints_own_answers(f
     sent = {"file": (png.name, png.read_bytes(), "image/png")}
     through = ui.post("/api/endpoints/0/v1/predict", files=sent)
     assert through.status_code == 200 and through.json() == endpoints[0][2].post("/v1/predict", files=sent).json()
-    ask = {"model": "product-lm", "messages": [{"role": "user", "content": "coffee"}], "max_tokens": 8,
-           "temperature": 0}
+    ask = {
+        "model": "product-lm",
+        "messages": [{"role": "user", "content": "coffee"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
     direct = endpoints[1][2].post("/v1/chat/completions", json=ask).json()
-    streamed = ui.post("/api/endpoints/1/v1/chat/completions",
-                       json={**ask, "stream": True, "stream_options": {"include_usage": True}})
+    streamed = ui.post(
+        "/api/endpoints/1/v1/chat/completions", json={**ask, "stream": True, "stream_options": {"include_usage": True}}
+    )
     assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
     text, usage = sse_text(streamed.text)
     assert text == direct["choices"][0]["message"]["content"] and usage == direct["usage"]
@@ -172,6 +181,46 @@ def test_bad_plan_input_is_a_400_with_the_clis_line_beside_its_field(capsys, tmp
         assert got.json()["error"] in capsys.readouterr().err
 
 
+SERVE_QUERY = "model=llama-3.1-8b&task=serve&rps=3&profile=chat&gpu=h100-sxm&ttft=1"
+
+
+def query_flags(query: str) -> list[str]:
+    return [x for p in query.split("&") for x in (f"--{p.split('=')[0].replace('_', '-')}", p.split("=")[1])]
+
+
+def test_the_serving_form_answers_what_gpuwise_plan_task_serve_json_prints(capsys):
+    expected = cli_plan(capsys, *query_flags(SERVE_QUERY))
+    got = client().get(f"/api/plan?{SERVE_QUERY}")
+    assert got.status_code == 200
+    answer = got.json()
+    assert answer.pop("warnings") == []  # the page shows them; the CLI prints them on stderr
+    assert answer == expected
+    assert [o["gpu"] for o in expected["options"]] == ["h100-sxm"] and expected["options"][0]["curve"]
+
+
+@pytest.mark.parametrize(
+    ("query", "field", "message"),
+    [
+        ("rps=-1&profile=chat", "rps", "--rps must be above 0"),
+        ("rps=x&profile=chat", "rps", "--rps must be a number, not 'x'"),
+        ("profile=chat", "rps", "a serving plan needs the traffic"),
+        ("rps=1&users=30&profile=chat", "rps", "give either --rps, or --users"),
+        ("rps=1&profile=chatty", "profile", "unknown profile 'chatty'"),
+        ("rps=1&prompt_tokens=100", "prompt_tokens", "a serving plan needs the request lengths"),
+        ("rps=1&profile=chat&tpot=0", "tpot", "--tpot must be above 0"),
+        ("rps=1&profile=chat&hours_per_day=25", "hours_per_day", "--hours-per-day must be above 0 and at most 24"),
+        ("rps=1&profile=chat&gpu=h900", "gpu", "unknown accelerator 'h900'"),
+    ],
+)
+def test_bad_serving_input_is_a_400_with_the_clis_line_beside_its_field(capsys, query, field, message):
+    got = client().get(f"/api/plan?model=llama-3.1-8b&task=serve&{query}")
+    assert got.status_code == 400
+    assert got.json()["field"] == field and message in got.json()["error"]
+    assert main(["plan", "--model", "llama-3.1-8b", "--task", "serve", *query_flags(query)]) == 2
+    if "must be a number" not in message:  # the CLI's parser words its own; every other line is the planner's
+        assert got.json()["error"] in capsys.readouterr().err
+
+
 def test_a_non_model_file_is_refused_in_one_line(tmp_path):
     junk = tmp_path / "photo.gguf"
     junk.write_bytes(b"\x89PNG not a model")
@@ -215,8 +264,13 @@ def test_a_chat_the_page_stops_frees_the_endpoints_slot(launched, endpoints):
     generating for nobody, as it does for a client of its own."""
     direct = endpoints[1][2]
     before = generated(direct)
-    ask = {"model": "product-lm", "messages": [{"role": "user", "content": "my dog"}], "max_tokens": 400,
-           "temperature": 0, "stream": True}
+    ask = {
+        "model": "product-lm",
+        "messages": [{"role": "user", "content": "my dog"}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
     url, token = launched
     chat = f"{url}/api/endpoints/1/v1/chat/completions"
     assert httpx.post(chat, json=ask).status_code == 401  # the endpoint's key is lent to no one without the token
@@ -333,6 +387,47 @@ def test_a_person_plans_a_model_in_the_browser(server, page, capsys, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_person_plans_serving_for_a_traffic_in_the_browser(server, page, capsys, tmp_path):
+    page.goto(f"{server}/?page=plan&{SERVE_QUERY}")
+    page.wait_for_selector("#servetable tbody tr")
+    assert page.is_hidden("input[name=batch]") and page.is_visible("input[name=rps]")
+    expected = cli_plan(capsys, *query_flags(SERVE_QUERY))
+    best = expected["options"][0]
+    assert best["cheapest"]
+    summary = page.inner_text("#plansummary")
+    assert f"{best['gpus']} x {best['gpu_name']}" in summary and "TTFT ≤ 1.00 s" in summary
+    # latency against load, the target drawn across: one chart for TTFT, one for TPOT, the CLI's curve in each
+    charts = page.locator("#servecharts svg")
+    assert charts.count() == 2
+    assert page.locator("#servecharts line.target").count() == 2 and page.locator("#servecharts line.knee").count() == 2
+    drawn = [p for p in best["curve"] if p["ttft_p95"] is not None]
+    assert charts.nth(0).locator("circle").count() == len(drawn)
+    # the target line sits at the target: 1 s on the TTFT chart's scale, which its circles share
+    ttft_chart = charts.nth(0)
+    target_y = float(ttft_chart.locator("line.target").get_attribute("y1"))
+    ys = [float(c.get_attribute("cy")) for c in ttft_chart.locator("circle").all()]
+    below = [y for y, p in zip(ys, drawn, strict=True) if p["ttft_p95"] < 1.0]
+    above = [y for y, p in zip(ys, drawn, strict=True) if p["ttft_p95"] > 1.0]
+    assert all(y > target_y for y in below) and all(y < target_y for y in above)  # SVG's y grows downwards
+    assert page.locator("#hosted tbody tr").count() == len(expected["hosted"]) + len(expected["closed"])
+    shot(page, "ui-serve.png", tmp_path)
+    # the traffic follows the inputs, and the URL holds them
+    page.fill("input[name=rps]", "30")
+    page.wait_for_function("location.search.includes('rps=30')")
+    more = cli_plan(capsys, *query_flags(SERVE_QUERY.replace("rps=3", "rps=30")))
+    shows = "([s, text]) => document.querySelector(s)?.innerText.includes(text)"
+    page.wait_for_function(shows, arg=["#plansummary", f"{more['options'][0]['gpus']} x {best['gpu_name']}"])
+    # bad traffic: the CLI's line beside its field
+    page.fill("input[name=rps]", "-2")
+    page.wait_for_selector(".err[data-for=rps]:not(:empty)")
+    assert "--rps must be above 0" in page.inner_text(".err[data-for=rps]")
+    # back to a training task: its own fields again
+    page.select_option("select[name=task]", "qlora")
+    page.wait_for_selector("#sweep tbody tr")
+    assert page.is_visible("input[name=batch]") and page.is_hidden("input[name=rps]")
+
+
+@pytest.mark.slow
 def test_a_person_opens_a_run_and_finds_its_curves(server, page, tmp_path):
     page.goto(f"{server}/?page=runs")
     page.wait_for_selector("#runstable tbody tr")
@@ -368,8 +463,12 @@ def test_a_person_chats_with_a_served_model_and_drops_an_image_on_another(
     page.wait_for_selector("#endpoints tbody tr")
     assert page.locator("#servable td", has_text="gpuwise serve").count() >= 2  # the two runs
     # a chat reply streams in, the same text as the endpoint's own greedy answer
-    ask = {"model": "product-lm", "messages": [{"role": "user", "content": "my dog"}], "max_tokens": 8,
-           "temperature": 0}
+    ask = {
+        "model": "product-lm",
+        "messages": [{"role": "user", "content": "my dog"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
     expected = endpoints[1][2].post("/v1/chat/completions", json=ask).json()["choices"][0]["message"]["content"]
     page.fill("#temperature", "0")
     page.fill("#maxtokens", "8")

@@ -193,7 +193,8 @@ def bench_serve(model: str, engine: str, dtype: str | None, host: str, progress=
     with tempfile.TemporaryDirectory(prefix="gpuwise-bench-serve-") as tmp:
         log = Path(tmp) / "serve.log"
         progress(f"starting gpuwise serve {model} --engine {engine}")
-        proc, url, served = start_server(model, engine, dtype, log)
+        # a measurement, not a session of the endpoint: nothing for `gpuwise runs` but the bench's own record
+        proc, url, served = start_server(model, engine, dtype, log, ("--no-record",))
         try:
             plan = server_plan(url)
             points = asyncio.run(measure(url, served, progress))
@@ -220,16 +221,3 @@ def bench_serve(model: str, engine: str, dtype: str | None, host: str, progress=
         ),
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
     }
-
-
-def serve_fits(model: str, host: str, path: Path | None = None) -> list[dict[str, Any]]:
-    """The newest `gpuwise bench --serve` record of `model` on `host` for each engine, with its record id."""
-    # here, not at the top: `gpuwise plan` asks for the fits only when it plans this machine
-    from gpuwise.runs import db
-
-    newest: dict[str, dict[str, Any]] = {}
-    for row in db.rows("bench-serve", path):
-        d = row["data"]
-        if d.get("model") == model and d.get("host") == host and isinstance(d.get("fit"), dict):
-            newest[str(d.get("engine"))] = d | {"id": row["id"]}
-    return list(newest.values())

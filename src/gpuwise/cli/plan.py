@@ -11,6 +11,7 @@ import typer
 from gpuwise.cli.options import CatalogOpt, JsonOpt, console, emit, load_catalog
 from gpuwise.errors import GpuwiseError
 from gpuwise.plan.presets import PRESETS
+from gpuwise.plan.traffic import DEFAULT_HOURS_PER_DAY, DEFAULT_TARGETS
 
 EPILOG = "Presets: " + ", ".join(PRESETS) + "."
 
@@ -139,10 +140,10 @@ def plan(
     prompt_tokens: PromptTokensOpt = None,
     output_tokens: OutputTokensOpt = None,
     profile: ProfileOpt = None,
-    ttft: TtftOpt = 2.0,
-    tpot: TpotOpt = 0.2,
-    percentile: PercentileOpt = 95,
-    hours_per_day: HoursOpt = 24,
+    ttft: TtftOpt = DEFAULT_TARGETS.ttft,
+    tpot: TpotOpt = DEFAULT_TARGETS.tpot,
+    percentile: PercentileOpt = DEFAULT_TARGETS.percentile,
+    hours_per_day: HoursOpt = DEFAULT_HOURS_PER_DAY,
     catalog: CatalogOpt = None,
     as_json: JsonOpt = False,
 ):
@@ -257,35 +258,18 @@ def plan(
 def _serve(model, serving, ttft, tpot, percentile, hours_per_day, precision, gpu, efficiency, catalog, as_json):
     """--task serve: the serving capacity plan (plan/capacity.py)."""
     # here, not at the top: `gpuwise --help` and the other commands start without it
-    from gpuwise.plan.capacity import capacity_plan
-    from gpuwise.plan.model import resolve_model
-    from gpuwise.plan.request import RANGES
-    from gpuwise.plan.traffic import check_hours, targets, traffic
+    from gpuwise.plan.endpoint import serving_plan
+    from gpuwise.plan.traffic import targets, traffic
     from gpuwise.runs import db as rundb
 
     demand = traffic(**serving)
     goal = targets(ttft, tpot, percentile)
-    hours = check_hours(hours_per_day)
-    low, high = next((lo, hi) for flag, _, lo, hi, _ in RANGES if flag == "--efficiency")
-    if efficiency is not None and not low <= efficiency <= high:
-        raise GpuwiseError(f"--efficiency must be at least {low:g} and at most {high:g}, not {efficiency:g}")
     if model is None:
         raise GpuwiseError("--task serve plans a language model: give --model")
-    cat = load_catalog(catalog)
-    spec = resolve_model(model)
-    measured = None
-    if gpu in (None, "cpu"):  # this machine's engines, as `gpuwise bench --serve` measured them
-        # here, not at the top: `gpuwise --help` and the other commands start without it
-        from gpuwise.bench.serving import serve_fits
-        from gpuwise.hardware.cpu import detect_cpu
-
-        host = detect_cpu().model
-        try:
-            measured = serve_fits(model, host) or serve_fits(spec.name, host)
-        except GpuwiseError as e:  # the record only adds this machine's option: a broken one must not cost the plan
-            print(f"gpuwise: warning: planning without this machine's measured steps: {e}", file=sys.stderr)
     prec = str(precision) if precision else "bf16"
-    result = capacity_plan(spec, demand, goal, cat, prec, hours, gpu, efficiency, measured)
+    result = serving_plan(model, demand, goal, load_catalog(catalog), prec, hours_per_day, gpu, efficiency)
+    for warning in result.pop("warnings"):  # this machine's record could not be read: the plan goes on
+        print(f"gpuwise: warning: {warning}", file=sys.stderr)
     result["record_id"] = rundb.try_record("plan", gpu or "catalog sweep", result["model"]["name"], result)
     if as_json:
         emit(result)

@@ -46,6 +46,16 @@ def _headline(r: dict[str, Any]) -> str:
         f = d.get("fit") if isinstance(d.get("fit"), dict) else {}
         points = len(d.get("points") or [])
         return f"{d.get('engine')} steps: {float(f.get('a') or 0) * 1e3:.2f} ms + per token, {points} points"
+    if r["kind"] == "serve":  # a serving session: what it met, and what the plan expected at that traffic
+        a = d.get("actual") if isinstance(d.get("actual"), dict) else {}
+        p = d.get("planned") if isinstance(d.get("planned"), dict) else {}
+        line = (
+            f"served {a.get('requests')} at {_num(a.get('rate_rps'))} req/s: TTFT p50 {_num(a.get('ttft_p50'))} s, "
+            f"TPOT p50 {_num(a.get('tpot_p50'))} s"
+        )
+        if p:
+            line += f" (planned {_num(p.get('ttft_p50'))} s, {_num(p.get('tpot_p50'))} s)"
+        return line
     if d.get("task") == "serve":  # a serving capacity plan: the recommended option
         best = next((o for o in d.get("options", []) if isinstance(o, dict) and o.get("cheapest")), None)
         rps = (d.get("traffic") or {}).get("rps")
@@ -56,6 +66,10 @@ def _headline(r: dict[str, Any]) -> str:
         )
     # a traced plan: its figures are per step, not per job
     return f"{d.get('gpus')} x {d.get('gpu')}, fits {d.get('fits')}, traced"
+
+
+def _num(x: Any) -> str:
+    return f"{x:.3g}" if isinstance(x, int | float) else "-"
 
 
 @app.callback(invoke_without_command=True)

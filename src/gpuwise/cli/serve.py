@@ -199,6 +199,14 @@ def serve(
     confirmed: WorkloadOpt = None,
     cors_origin: CorsOriginOpt = None,
     grace: GraceOpt = 30.0,
+    record: Annotated[
+        bool,
+        typer.Option(
+            "--record/--no-record",
+            help="Language models: when the server stops, record what it served (TTFT, TPOT, goodput) beside what "
+            "the plan expected at that traffic, for `gpuwise runs`.",
+        ),
+    ] = True,
 ):
     """Serve a trained run over HTTP: its workload's route (/v1/predict for images, /v1/recommend for
     rankings), with /health, /v1/info, /metrics and the OpenAPI docs at /docs. A language model (a
@@ -253,12 +261,42 @@ def serve(
     settings = Settings(name, runtime, max_batch, max_wait_ms, api_key, limits, list(cors_origin or []), host=host,
                         allowed_hosts=list(allowed_host or []))  # fmt: skip
     llm = served if isinstance(served, LLM) else None
-    asgi = create_app(served, settings, run_id=Path(name).name, precision=llm.precision if llm else "fp32")
+    replica, goodput_line = None, ""
+    if llm is not None:  # what the plan says this server holds at the default targets
+        replica, goodput_line = _startup_plan(llm, name, chosen.engine)
+    on_stop = None
+    if llm is not None and record:
+
+        def on_stop():
+            # here, not at the top: `gpuwise --help` and the other commands start without it
+            from gpuwise.serve.llm.session import record_session
+
+            record_session(llm.session, name, chosen.engine, llm.device, replica, llm.startup)
+
+    precision = llm.precision if llm else "fp32"
+    asgi = create_app(served, settings, run_id=Path(name).name, precision=precision, on_stop=on_stop)
     # print
     console.print(_banner(llm, served, name, runtime, host, port, max_batch, max_wait_ms))
+    if goodput_line:
+        console.print(goodput_line, markup=False, highlight=False)
     # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish (up to
     # --grace seconds), then runs the app's shutdown.
     uvicorn.Server(server_config(asgi, host, port, limits, grace)).run()
+
+
+def _startup_plan(llm, name: str, engine: str):
+    """The replica this server is planned as and the start-up plan's goodput line (plan/endpoint.py); a plan
+    that cannot be made is said in that line, and the server starts all the same."""
+    # here, not at the top: `gpuwise --help` and the other commands start without it
+    from gpuwise.hardware.catalog import load_catalog
+    from gpuwise.plan.endpoint import endpoint_replica, startup_line
+
+    try:
+        replica, why = endpoint_replica(name, engine, llm.device, llm.precision, load_catalog())
+        line, llm.startup = startup_line(replica, why, llm.backends[0].context)
+    except GpuwiseError as e:
+        return None, f"goodput: not planned: {e}"
+    return replica, line
 
 
 def _banner(llm, served, name: str, runtime: str, host: str, port: int, max_batch: int, max_wait_ms: float) -> str:

@@ -216,9 +216,11 @@ def goodput(replica: Replica, traffic: Traffic, targets: Targets, n: int = REQUE
         else:
             hi = mid
     above = loads.get(hi) or run_at(replica, traffic, targets, hi, n)
+    # the curve: below the knee, at it, and past it (where latency climbs), so the knee shows
     curve = [run_at(replica, traffic, targets, f * lo, n).point() for f in (0.25, 0.5, 0.75, 0.9) if lo > 0] + [
         loads[lo].point() if lo in loads else None,
         above.point(),
+        *(run_at(replica, traffic, targets, f * lo, n).point() for f in (1.1, 1.25) if lo > 0 and f * lo > hi),
     ]
     return Goodput(lo, binds(above, targets, replica), [c for c in curve if c], alone)
 

@@ -63,6 +63,12 @@ class Targets:
         return {"ttft": self.ttft, "tpot": self.tpot, "percentile": self.percentile}
 
 
+# The targets a plan is stated at when none are given (`gpuwise plan --task serve`, the ui, `gpuwise serve`'s
+# start-up line): a reply that starts within 2 s and streams faster than people read (5 tokens/s), for 95 %.
+DEFAULT_TARGETS = Targets(ttft=2.0, tpot=0.2, percentile=95)
+DEFAULT_HOURS_PER_DAY = 24.0
+
+
 # The ranges of the serving flags: far beyond any real deployment, yet they refuse a slip of the keyboard.
 MAX_RPS = 1e6  # a million requests a second: beyond the largest public chat services' peaks
 MAX_USERS = 1e10  # more than people on Earth

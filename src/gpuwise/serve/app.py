@@ -61,7 +61,9 @@ class Info(BaseModel):
     steps: int | None = Field(None, description="optimizer steps the served run was trained for (its summary.json)")
     eval: dict = Field(default_factory=dict, description="the run's held-out metrics, as `gpuwise train` scored them")
     serving: dict | None = Field(
-        None, description="a language model's serving plan: context, KV bytes a token, KV budget (tokens), slots"
+        None,
+        description="a language model's serving plan: context, KV bytes a token, KV budget (tokens), slots, and the "
+        "goodput planned at the default targets (null where not planned)",
     )
 
 
@@ -225,7 +227,8 @@ def _trained(run_dir: str) -> TrainSummary | None:
         return None
 
 
-def create_app(served, settings: Settings, run_id: str, precision: str):
+def create_app(served, settings: Settings, run_id: str, precision: str, on_stop=None):
+    """The server's app over `served`; `on_stop()` runs once it has stopped serving (its engines closed)."""
     limits, metrics = settings.limits, ServeMetrics()
     batcher = DynamicBatcher(served, settings.max_batch, settings.max_wait_ms, metrics)
     # Image decoding takes seconds for large images: off the event loop, on as many threads as cores
@@ -241,6 +244,8 @@ def create_app(served, settings: Settings, run_id: str, precision: str):
         if hasattr(served, "close"):  # an LLM's engine thread
             served.close()
         decoder.shutdown(wait=False, cancel_futures=True)
+        if on_stop is not None:  # here, not after uvicorn returns: it re-raises SIGTERM once it has shut down
+            on_stop()
 
     app = FastAPI(
         title=f"gpuwise serve: {served.workload}",
@@ -291,7 +296,9 @@ def create_app(served, settings: Settings, run_id: str, precision: str):
             limits=asdict(limits),
             steps=trained.steps if trained else None,
             eval=trained.eval if trained else {},
-            serving=asdict(served.backends[0].serving) if hasattr(served, "backends") else None,
+            serving=asdict(served.backends[0].serving) | {"goodput": served.startup}
+            if hasattr(served, "backends")
+            else None,
         )
 
     @app.get("/metrics", response_class=PlainTextResponse)

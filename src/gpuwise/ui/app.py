@@ -1,7 +1,8 @@
 """`gpuwise ui`: the planner, the runs, the bench and the served models in a browser, from one local process.
 
 The page (static/index.html, app.js, app.css: no framework, no CDN, nothing fetched from the internet) calls
-this JSON API, and the API calls what the CLI calls: `plan_for` (= `gpuwise plan --json`, unrecorded), the run
+this JSON API, and the API calls what the CLI calls: `plan_for` (= `gpuwise plan --json`, unrecorded) and
+`serving_plan` (= `gpuwise plan --task serve --json`, unrecorded), the run
 record (`gpuwise runs`), a run directory's metrics.jsonl and report (`gpuwise report`), and the running
 `gpuwise serve` endpoints it was given (ui/endpoints.py). No figure is computed
 twice, so the page and the CLI agree (tests/test_ui.py). Bad input is a 400 with the CLI's one line and the
@@ -15,7 +16,7 @@ import hmac
 import json
 import math
 import secrets
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -27,9 +28,11 @@ from fastapi.staticfiles import StaticFiles
 from gpuwise.errors import GpuwiseError
 from gpuwise.files import to_json
 from gpuwise.hardware.catalog import load_catalog
+from gpuwise.plan.endpoint import serving_plan
 from gpuwise.plan.planner import plan_for
 from gpuwise.plan.presets import PRESETS
 from gpuwise.plan.request import TASKS, PlanRequest
+from gpuwise.plan.traffic import DEFAULT_HOURS_PER_DAY, DEFAULT_TARGETS, PROFILES, targets, traffic
 from gpuwise.report.html import run_report
 from gpuwise.serve.app import Guard
 from gpuwise.serve.hosts import WebPolicy
@@ -49,12 +52,23 @@ class FieldError(GpuwiseError):
         self.field = field
 
 
+# The lines that name no flag but a thing the form has a field for.
+UNKNOWN = {"unknown model": "model", "unknown profile": "profile", "unknown accelerator": "gpu"}
+
+
 def _field_of(message: str) -> str | None:
-    """The form field a CLI message is about: its first --flag, as the form names it."""
+    """The form field a CLI message is about: its first --flag that is a field of the form, as the form names
+    it (a "see `gpuwise plan --help`" is none)."""
+    for start, field in UNKNOWN.items():
+        if message.startswith(start):
+            return field
     for word in message.replace("(", " ").replace(",", " ").split():
         if word.startswith("--") and len(word) > 2:
-            name = word[2:].rstrip(".:;'\"").replace("-", "_")
-            return "model" if name in ("model", "workload", "module") else name
+            name = word[2:].rstrip(".:;'\"`)").replace("-", "_")
+            if name in ("model", "workload", "module"):
+                return "model"
+            if name in FORM_FIELDS:
+                return name
     return None
 
 
@@ -68,6 +82,22 @@ def _run_key(key: str) -> str:
     return key
 
 
+def _number(name: str, raw: str, kind: str) -> int | float:
+    """A form field's number as `gpuwise plan` takes it, its error under the CLI's flag name."""
+    flag = "--" + name.replace("_", "-")
+    if kind == "int":
+        return ascii_int(raw, flag, name)
+    try:
+        if not raw.isascii():  # float() also takes other scripts' digits ('٣.٥')
+            raise ValueError(raw)
+        value = float(raw)
+    except ValueError:
+        raise FieldError(name, f"{flag} must be a number, not '{raw[:40]}'") from None
+    if not math.isfinite(value):
+        raise FieldError(name, f"{flag} must be a finite number, not '{raw[:40]}'")
+    return value
+
+
 def plan_request(params: dict[str, str]):
     """The form's query string as a PlanRequest, its fields under `gpuwise plan`'s names (dashes for
     underscores), unset ones at the request's own defaults: each number parsed here, each range checked by
@@ -79,22 +109,56 @@ def plan_request(params: dict[str, str]):
         raw = raw.strip()
         if not raw or kinds.get(name) not in ("int", "float", "str"):
             continue
-        flag = "--" + name.replace("_", "-")
-        if kinds[name] == "int":
-            values[name] = ascii_int(raw, flag, name)
-        elif kinds[name] == "float":
-            try:
-                if not raw.isascii():  # float() also takes other scripts' digits ('٣.٥')
-                    raise ValueError(raw)
-                values[name] = float(raw)
-            except ValueError:
-                raise FieldError(name, f"{flag} must be a number, not '{raw[:40]}'") from None
-            if not math.isfinite(values[name]):
-                raise FieldError(name, f"{flag} must be a finite number, not '{raw[:40]}'")
-        else:
-            values[name] = raw
+        values[name] = raw if kinds[name] == "str" else _number(name, raw, kinds[name])
     values["flash_attention"] = params.get("flash_attention", "true").lower() not in ("false", "0", "off", "no")
     return PlanRequest(**values)
+
+
+# The serving form's fields: `gpuwise plan --task serve`'s flags, with how each is parsed.
+SERVE_FIELDS = {
+    "rps": "float",
+    "users": "float",
+    "requests_per_user_hour": "float",
+    "prompt_tokens": "int",
+    "output_tokens": "int",
+    "ttft": "float",
+    "tpot": "float",
+    "percentile": "float",
+    "hours_per_day": "float",
+    "efficiency": "float",
+}
+
+
+# Every field of the plan page's form (the training form's and the serving form's), by its query name.
+FORM_FIELDS = {f.name for f in fields(PlanRequest)} | set(SERVE_FIELDS) | {"profile", "gpu", "precision", "task"}
+
+
+def serving_plan_of(model: str, params: dict[str, str], catalog) -> dict[str, Any]:
+    """The serving form as `gpuwise plan --task serve --json` takes its flags (unset ones at the CLI's defaults),
+    and the plan it prints."""
+    v: dict[str, Any] = {
+        k: _number(k, raw.strip(), kind) for k, kind in SERVE_FIELDS.items() if (raw := params.get(k, "")).strip()
+    }
+    demand = traffic(
+        v.get("rps"),
+        v.get("users"),
+        v.get("requests_per_user_hour"),
+        v.get("prompt_tokens"),
+        v.get("output_tokens"),
+        params.get("profile", "").strip() or None,
+    )
+    d = DEFAULT_TARGETS
+    goal = targets(v.get("ttft", d.ttft), v.get("tpot", d.tpot), v.get("percentile", d.percentile))
+    return serving_plan(
+        model,
+        demand,
+        goal,
+        catalog,
+        params.get("precision", "").strip() or "bf16",
+        v.get("hours_per_day", DEFAULT_HOURS_PER_DAY),
+        params.get("gpu", "").strip() or None,
+        v.get("efficiency"),
+    )
 
 
 COOKIE = b"gpuwise_key"
@@ -225,7 +289,8 @@ def options(request: Request) -> dict[str, Any]:
     catalog = load_catalog(_state(request).catalog_files)
     return {
         "presets": sorted(PRESETS),
-        "tasks": list(TASKS),
+        "tasks": [*TASKS, "serve"],
+        "profiles": {name: asdict(p) for name, p in PROFILES.items()},
         "precisions": ["bf16", "fp16", "fp8", "fp32"],
         "optimizers": ["adamw", "adamw-8bit", "sgd"],
         "checkpointing": ["none", "selective", "full"],
@@ -244,7 +309,10 @@ def plan(request: Request) -> JSONResponse:
     model = params.get("model", "").strip()
     if not model:
         raise FieldError("model", "give a model: a preset, a model directory, a .gguf file or a config.json")
-    result, warning = plan_for(model, plan_request(params), load_catalog(_state(request).catalog_files))
+    catalog = load_catalog(_state(request).catalog_files)
+    if params.get("task", "").strip() == "serve":  # the serving form: `gpuwise plan --task serve`
+        return _json(serving_plan_of(model, params, catalog))
+    result, warning = plan_for(model, plan_request(params), catalog)
     if warning:
         result["warnings"] = [warning, *result.get("warnings", [])]
     return _json(result)

@@ -60,7 +60,15 @@ class Sequence:
         self.cancelled = threading.Event()
         self.generator: Any = None  # gpuwise's engine: the seeded sampler of a request that gave a seed
         self.t_submit = time.perf_counter()
+        self.t_first: float | None = None  # when its first token came out
         self.t_last: float | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        """Its time per output token after the first (vLLM's benchmark's TPOT), or None below two tokens."""
+        if self.t_first is None or self.t_last is None or len(self.out) < 2:
+            return None
+        return (self.t_last - self.t_first) / (len(self.out) - 1)
 
     @property
     def length(self) -> int:

@@ -298,6 +298,7 @@ class StreamingEngine:
             return
         now = time.perf_counter()
         if seq.t_last is None:
+            seq.t_first = now
             self.stats.on_first_token(now - seq.t_submit)
         else:
             self.stats.on_token((now - seq.t_last) / len(ids))

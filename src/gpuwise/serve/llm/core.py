@@ -16,6 +16,7 @@ from fastapi import Request
 
 from gpuwise.serve.engines.base import Backend, EngineClient, Params
 from gpuwise.serve.llm import api, decode, metrics, stream
+from gpuwise.serve.llm.session import Session
 from gpuwise.workloads.serving import ClientError, Limits, ServeContext
 
 
@@ -45,6 +46,8 @@ class LLM:
             for name, adapter in names:
                 self.route[name] = (backend, adapter)
         self.names = list(self.route)
+        self.session = Session()  # what it served, for the record when it stops
+        self.startup: dict[str, Any] | None = None  # the goodput planned at start (plan/endpoint.py), for /v1/info
         self.model_name = ", ".join(self.names) + (f" ({about})" if about else "")
 
     # the first backend, for the one-model case (the start-up plan, `gpuwise chat`)
@@ -71,7 +74,7 @@ class LLM:
         return next((why for b in self.backends if (why := b.engine.health())), None)
 
     def routes(self, ctx: ServeContext) -> None:
-        metrics.register(self.backends, ctx.registry)
+        metrics.register(self.backends, ctx.registry, self.session)
         api.add_routes(self, ctx)
 
     # --- what the OpenAI front asks -----------------------------------------------------------------

@@ -263,9 +263,112 @@ function renderPlan(plan) {
   );
 }
 
+// --- Plan: serving (gpuwise plan --task serve) -------------------------------------------------------
+const secs = (x) => (x == null || !isFinite(x) ? "-" : x < 1 ? `${(x * 1000).toFixed(0)} ms` : `${x.toFixed(2)} s`);
+const rps = (x) => (x == null || !isFinite(x) ? "-" : x >= 100 ? x.toFixed(0) : x.toPrecision(3));
+
+// one latency against the load a replica takes, the target drawn across it
+function latencyChart(option, plan, which) {
+  const q = plan.targets.percentile, key = `${which}_p${q}`, target = plan.targets[which];
+  const points = (option.curve || []).filter((p) => p[key] != null && isFinite(p[key])).map((p) => [p.rate, p[key]]);
+  if (points.length < 2) return el("p", { text: `No ${which.toUpperCase()} curve for ${option.gpu_name}: ${option.why || option.binds || "not planned"}.` });
+  const name = which === "ttft" ? "Time to first token" : "Time per output token";
+  const rates = points.map((p) => p[0]), ys = points.map((p) => p[1]).concat([target]);
+  const { svg, sx, sy } = frame({
+    x: [0, Math.max(...rates)], y: [0, Math.max(...ys) * 1.1],
+    xlabel: "requests/s one replica takes", ylabel: `${which.toUpperCase()} p${q} (s)`,
+    title: `${name}, p${q}: ${option.gpu_name} (${option.engine})`,
+  });
+  svg.append(el("svg:path", { d: points.map((p, i) => `${i ? "L" : "M"}${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(""),
+    fill: "none", stroke: COLORS[0], "stroke-width": 1.5, "data-series": which }));
+  for (const p of points) svg.append(el("svg:circle", { cx: sx(p[0]), cy: sy(p[1]), r: 3, fill: COLORS[0] }, el("svg:title", { text: `${rps(p[0])} req/s: ${secs(p[1])}` })));
+  const x0 = sx(0), x1 = sx(Math.max(...rates)), y = sy(target);
+  svg.append(el("svg:line", { x1: x0, x2: x1, y1: y, y2: y, stroke: "#cf222e", "stroke-dasharray": "5 4", "stroke-width": 1.5, class: "target" }));
+  svg.append(el("svg:text", { x: x1 - 4, y: y - 5, "text-anchor": "end", fill: "#cf222e", text: `target ${secs(target)}` }));
+  const g = option.goodput_per_replica;
+  if (g > 0) {
+    svg.append(el("svg:line", { x1: sx(g), x2: sx(g), y1: sy(0), y2: sy(Math.max(...ys) * 1.1), stroke: COLORS[3], "stroke-dasharray": "2 3", class: "knee" }));
+    svg.append(el("svg:text", { x: sx(g) - 4, y: 52, "text-anchor": "end", fill: COLORS[3], text: `goodput ${rps(g)} req/s` }));
+  }
+  return svg;
+}
+
+function serveTable(plan, pick) {
+  const rows = [...plan.options].sort((a, b) => (b.meets - a.meets) || ((a.usd_per_month ?? Infinity) - (b.usd_per_month ?? Infinity)));
+  const q = plan.targets.percentile;
+  const head = ["accelerator", "engine", "GPUs", "replicas x TP", "concurrency", "goodput / replica (req/s)", `TTFT p${q}`, `TPOT p${q}`, "binds", "$/hour", "$/month", "$ / 1M output", "where"];
+  const table = el("table", { id: "servetable" });
+  table.append(el("thead", {}, el("tr", {}, head.map((t) => el("th", { scope: "col", text: t })))));
+  table.append(el("tbody", {}, rows.map((o) => el("tr", { class: o.meets ? "" : "nofit", "data-gpu": o.gpu, tabindex: 0,
+    onclick: () => pick(o), onkeydown: (e) => { if (e.key === "Enter") pick(o); } },
+    el("td", {}, o.cheapest ? "★ " : "", o.gpu_name, o.cheapest ? el("span", { class: "tag cheapest", text: "cheapest" }) : null),
+    el("td", { text: o.engine || "-" }),
+    el("td", { text: o.meets ? String(o.gpus) : "-" }),
+    el("td", { text: o.meets ? `${o.replicas} x ${o.tp}` : "-" }),
+    el("td", { text: o.meets ? String(o.concurrency) : "-" }),
+    el("td", { text: o.meets ? rps(o.goodput_per_replica) : o.why || "-" }),
+    el("td", { text: secs(o[`ttft_p${q}`]) }),
+    el("td", { text: secs(o[`tpot_p${q}`]) }),
+    el("td", { text: o.binds || "-" }),
+    el("td", { text: usd(o.usd_per_hour) }),
+    el("td", { text: usd(o.usd_per_month) }),
+    el("td", { text: usd(o.usd_per_m_output) }),
+    el("td", { text: o.cheapest_provider || "-" })))));
+  return table;
+}
+
+function hostedTable(plan) {
+  const rows = [...(plan.hosted || []), ...(plan.closed || [])];
+  if (!rows.length) return el("p", { text: `No hosted API in the table offers ${plan.model.name}.` });
+  return el("table", { id: "hosted" },
+    el("thead", {}, el("tr", {}, ["provider", "API model", "$ / 1M in", "$ / 1M out", "$/month at this traffic", "GPUs cheaper above", "as of", "source"].map((t) => el("th", { scope: "col", text: t })))),
+    el("tbody", {}, rows.map((h) => el("tr", {},
+      el("td", { text: h.provider }), el("td", { text: h.api_model }), el("td", { text: usd(h.usd_in) }), el("td", { text: usd(h.usd_out) }),
+      el("td", { text: usd(h.usd_per_month) }), el("td", { text: h.breakeven_rps == null ? "-" : `${rps(h.breakeven_rps)} req/s` }),
+      el("td", { text: h.as_of }), el("td", { text: h.source })))));
+}
+
+function renderServing(plan) {
+  const t = plan.targets, tr = plan.traffic;
+  const best = plan.options.find((o) => o.cheapest);
+  const charts = el("div", { class: "charts", id: "servecharts" });
+  function pick(o) {
+    for (const r of document.querySelectorAll("#servetable tbody tr")) r.classList.toggle("chosen", r.dataset.gpu === o.gpu && r.cells[1].textContent === (o.engine || "-"));
+    charts.replaceChildren(latencyChart(o, plan, "ttft"), latencyChart(o, plan, "tpot"));
+  }
+  $("#planout").replaceChildren(
+    el("p", { class: "summary", id: "plansummary" },
+      `${plan.model.name} · serve ${rps(tr.rps)} req/s of ${tr.prompt_tokens.toLocaleString("en-US")} tokens in, ${tr.output_tokens.toLocaleString("en-US")} out, at TTFT ≤ ${secs(t.ttft)} and TPOT ≤ ${secs(t.tpot)} for ${t.percentile} %: `,
+      best ? el("strong", { text: `★ ${best.gpus} x ${best.gpu_name} (${best.replicas} ${best.replicas === 1 ? "replica" : "replicas"} x TP ${best.tp}, ${best.engine})` }) : el("strong", { text: "no option meets the targets" }),
+      best ? `, ${usd(best.usd_per_month)}/month (${best.cheapest_provider}), ${usd(best.usd_per_m_output)} per 1M output tokens` : ""),
+    el("p", { class: "muted", text: `Traffic: ${tr.source}. Priced ${plan.hours_per_day} hours a day (${Math.round(plan.hours_per_month)} hours a month).` }),
+    charts,
+    el("h2", { text: `Every accelerator (${plan.options.length}): click one to draw its latency against load` }),
+    serveTable(plan, pick),
+    el("h2", { text: "Hosted APIs for the same traffic" }),
+    hostedTable(plan),
+    el("ul", { class: "notes", id: "warnings" }, (plan.warnings || []).map((w) => el("li", { text: w }))),
+    el("h2", { text: "Assumptions and their sources" }),
+    el("ul", { class: "notes", id: "assumptions" }, (plan.assumptions || []).map((a) => el("li", { text: typeof a === "string" ? a : `${a.name} = ${a.value}: ${a.origin}` }))),
+  );
+  const first = best || plan.options.find((o) => o.meets) || plan.options[0];
+  if (first) pick(first);
+}
+
+function servingMode() {
+  const serve = $('#planform [name="task"]').value === "serve";
+  for (const [id, on] of [["#trainfields", !serve], ["#servefields", serve]]) {
+    $(id).hidden = !on;
+    $(id).disabled = !on;
+  }
+  return serve;
+}
+
 function formQuery() {
   const q = new URLSearchParams({ page: "plan" });
-  for (const f of $("#planform").elements) if (f.name && f.value.trim() !== "") q.set(f.name, f.value.trim());
+  for (const f of $("#planform").elements) {
+    if (f.name && !f.matches(":disabled") && f.value.trim() !== "") q.set(f.name, f.value.trim());
+  }
   return q;
 }
 
@@ -277,9 +380,10 @@ async function updatePlan() {
   $("#planerror").textContent = "";
   const seq = ++planSeq;
   q.delete("page");
+  const serve = q.get("task") === "serve";
   try {
     const plan = await api(`/api/plan?${q}`);
-    if (seq === planSeq) renderPlan(plan);
+    if (seq === planSeq) (serve ? renderServing : renderPlan)(plan);
   } catch (e) {
     if (seq !== planSeq) return;
     const msg = e.error || String(e);
@@ -300,16 +404,22 @@ async function loadOptions() {
   fill("task", o.tasks);
   fill("precision", o.precisions);
   fill("provider", o.providers);
+  $('#planform [name="profile"]').append(...Object.entries(o.profiles).map(([name, p]) =>
+    el("option", { value: name, text: `${name} (${p.prompt_tokens} in, ${p.output_tokens} out)`, title: p.source })));
+  fill("gpu", o.gpus.map((g) => g.slug));
+  $('#planform [name="profile"]').value = "chat";  // the plan's example traffic; "lengths below" for your own
 }
 
 async function showPlan(params) {
   optionsLoaded = optionsLoaded || loadOptions();
   await optionsLoaded;
   for (const f of $("#planform").elements) if (f.name && params.has(f.name)) f.value = params.get(f.name);
+  servingMode();
   await updatePlan();
 }
 
 $("#planform").addEventListener("input", () => {
+  servingMode();
   clearTimeout(planTimer);
   planTimer = setTimeout(updatePlan, 250);
 });

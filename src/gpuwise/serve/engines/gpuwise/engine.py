@@ -416,6 +416,7 @@ class Engine:
                 self._end(s, "error", error=token)
                 continue
             if s.t_last is None:
+                s.t_first = now
                 self.stats.on_first_token(now - s.t_submit)
             else:
                 self.stats.on_token(now - s.t_last)
