@@ -113,6 +113,36 @@ def steps(out: Path, cuda: bool) -> list[Step]:
             minimum=90,
         )
     )
+    # the serving capacity plan against the engine measured under Poisson load (docs/plan.md): vLLM where the
+    # machine has it, else gpuwise's engine; targets tight enough that the knee is within the client's reach
+    plan.append(
+        Step(
+            "serving capacity",
+            [
+                sys.executable,
+                "benchmarks/capacity_vs_actual.py",
+                "--engines",
+                "vllm" if vllm else "gpuwise",
+                "--requests",
+                "200",
+                "--prompt",
+                "512",
+                "--output",
+                "128",
+                "--ttft",
+                "0.2",
+                "--tpot",
+                "0.02",
+                "--rates",
+                "0.5,0.9,1.25",
+                "--out",
+                str(out / "capacity_vs_actual.json"),
+            ],
+            420 if vllm else 300,
+            needs_cuda=True,
+            minimum=180,
+        )
+    )
     return [s for s in plan if cuda or not s.needs_cuda]
 
 
@@ -207,7 +237,29 @@ def collect(step: Step, out: Path) -> dict | None:
         return figures_train(stdout)
     if step.name == "llm endpoint":
         return figures_llm(out / "llm_serve_load.json")
+    if step.name == "serving capacity":
+        return figures_capacity(out / "capacity_vs_actual.json")
     return None
+
+
+def figures_capacity(path: Path) -> dict:
+    """Per engine: the knee planned and measured, and each replayed rate's throughput and TPOT p50, plan and
+    measured."""
+    out = {}
+    for res in json.loads(path.read_text()):
+        out[res["engine"]] = {
+            "planned_knee": res["planned_knee"],
+            "measured_knee": res["measured_knee"],
+            "rows": [
+                {
+                    "rate": row["rate"],
+                    "throughput": [row["plan"]["throughput"], row["measured"]["throughput"]],
+                    "tpot_p50": [row["plan"]["tpot_p50"], row["measured"]["tpot_p50"]],
+                }
+                for row in res["rows"]
+            ],
+        }
+    return out
 
 
 def table(report: dict) -> str:
@@ -232,6 +284,14 @@ def table(report: dict) -> str:
             said = f"{f['tests']} tests, {f['failures'] + f['errors']} failed, {f['skipped']} skipped"
         elif name == "llm endpoint" and f:
             said = "; ".join(f"c={r['concurrency']} {r['tokens_per_s']:.0f} tok/s" for r in f["rows"])
+        elif name == "serving capacity" and f:
+            said = "; ".join(
+                f"{engine}: knee planned {e['planned_knee']:.1f}/s, measured "
+                + (f"{e['measured_knee']:.1f}/s" if e["measured_knee"] else "not crossed")
+                + ", throughput "
+                + " ".join(f"{p / m - 1:+.0%}" for p, m in (r["throughput"] for r in e["rows"]) if m)
+                for engine, e in f.items()
+            )
         elif r.get("why"):
             said = r["why"]
         elif r.get("status") in ("failed", "timeout"):
@@ -247,6 +307,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(default_out), help="folder for the JSON, runs, logs [$OUT]")
     ap.add_argument("--budget", type=int, default=450, help="seconds for all steps together")
     ap.add_argument("--dry-run", action="store_true", help="run nothing: print the steps, write the JSON's shape")
+    ap.add_argument("--only", help="run these steps alone, comma-separated (a second call: 'serving capacity')")
     args = ap.parse_args()
     if args.budget < 1:
         ap.error("--budget must be at least 1 second")
@@ -267,6 +328,12 @@ def main() -> int:
     path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, GPUWISE_DB=str(out / "runs.sqlite"), PYTHONPATH=path)
     plan = steps(out, cuda or args.dry_run)  # a dry run lists every step, as a CUDA machine would run them
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in {s.name for s in plan}]
+        if unknown:
+            ap.error(f"--only {', '.join(unknown)}: no such step (steps: {', '.join(s.name for s in plan)})")
+        plan = [s for s in plan if s.name in names]
     report: dict = {
         "schema": SCHEMA,
         "dry_run": args.dry_run,
