@@ -288,7 +288,9 @@ function latencyChart(option, plan, which) {
   const g = option.goodput_per_replica;
   if (g > 0) {
     svg.append(el("svg:line", { x1: sx(g), x2: sx(g), y1: sy(0), y2: sy(Math.max(...ys) * 1.1), stroke: COLORS[3], "stroke-dasharray": "2 3", class: "knee" }));
-    svg.append(el("svg:text", { x: sx(g) - 4, y: 52, "text-anchor": "end", fill: COLORS[3], text: `goodput ${rps(g)} req/s` }));
+    // along the line, clear of the target's label and of the curve's low points
+    const lx = sx(g) - 5, ly = (sy(0) + sy(Math.max(...ys) * 1.1)) / 2;
+    svg.append(el("svg:text", { x: lx, y: ly, "text-anchor": "middle", transform: `rotate(-90 ${lx} ${ly})`, fill: COLORS[3], text: `goodput ${rps(g)} req/s` }));
   }
   return svg;
 }
@@ -306,7 +308,7 @@ function serveTable(plan, pick) {
     el("td", { text: o.meets ? String(o.gpus) : "-" }),
     el("td", { text: o.meets ? `${o.replicas} x ${o.tp}` : "-" }),
     el("td", { text: o.meets ? String(o.concurrency) : "-" }),
-    el("td", { text: o.meets ? rps(o.goodput_per_replica) : o.why || "-" }),
+    el("td", { class: o.meets ? null : "why", text: o.meets ? rps(o.goodput_per_replica) : o.why || "-" }),
     el("td", { text: secs(o[`ttft_p${q}`]) }),
     el("td", { text: secs(o[`tpot_p${q}`]) }),
     el("td", { text: o.binds || "-" }),
