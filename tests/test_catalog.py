@@ -42,7 +42,7 @@ def test_every_figure_has_a_source_and_a_date(catalog):
 
 
 def test_catalog_matches_the_reference_rows(catalog):
-    # Spot checks against shared/reference/accelerators.csv and cloud-prices.csv.
+    # Spot checks of hardware/data/accelerators.csv and cloud_prices.csv against their sources' figures.
     h100 = catalog.get("h100-sxm")
     assert (h100.mem_gb, h100.mem_bw_gbs, h100.bf16_tflops, h100.fp8_tflops, h100.tdp_w) == (80, 3350, 989, 1979, 700)
     assert catalog.get("t4").bf16_tflops is None  # Turing: no bf16

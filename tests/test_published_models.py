@@ -1,4 +1,4 @@
-"""Golden numbers: every preset against shared/reference/published.md."""
+"""Golden numbers: every preset against the parameter count its model card or paper publishes (plan/presets.py)."""
 
 import json
 
@@ -18,14 +18,14 @@ def test_parameter_count_matches_published(name):
 
 
 def test_published_table_dimensions_reproduced():
-    # published.md: "All use gated MLPs: 3 matrices of hidden x ffn per layer" -> llama-2-7b by hand.
+    # Llama 2 uses a gated MLP, 3 matrices of hidden x ffn per layer: llama-2-7b counted by hand.
     m = resolve_model("llama-2-7b")
     per_layer = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
     assert m.params == 32 * per_layer + 2 * 32000 * 4096 + 4096
 
 
 def test_kv_cache_per_token_llama2_7b_is_half_a_mib():
-    # published.md: 2 x 32 layers x 4096 x 2 bytes = 0.5 MiB per token (exact).
+    # 2 (K and V) x 32 layers x 4096 x 2 bytes = 0.5 MiB per token (exact).
     assert resolve_model("llama-2-7b").kv_cache_per_token(2) == 0.5 * MiB
 
 
@@ -35,7 +35,7 @@ def test_kv_cache_is_gqa_aware():
 
 
 def test_bert_base_cased_weights_match_accelerate_estimate(tmp_path):
-    # published.md: accelerate estimate-memory, bert-base-cased fp32 load: 413.18 "MB" (MiB as it prints).
+    # Hugging Face accelerate estimate-memory, bert-base-cased fp32 load: 413.18 "MB" (MiB as it prints).
     # Tolerance 0.05 %: the figure is printed with 2 decimals.
     cfg = {
         "model_type": "bert",

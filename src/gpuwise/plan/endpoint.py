@@ -26,7 +26,7 @@ from gpuwise.runs import db
 
 # The profile a start-up plan is stated at (with traffic.py's default targets).
 DEFAULT_PROFILE = "chat"
-# Fewer simulated requests than the plan's 800: the start-up line costs the server's start well under a second
+# Fewer simulated requests than the plan's 800, so that the start-up line adds little to the server's start
 # (the 95th percentile then rests on 10 requests beyond it; `gpuwise plan --task serve` gives the finer figure).
 STARTUP_REQUESTS = 200
 
@@ -93,20 +93,18 @@ def endpoint_replica(
         return None, f"not planned: {e}"
     if not spec.causal:
         return None, f"not planned: {spec.name} generates no tokens"
+    # here, not at the top: the catalog's GPUs plan without detecting this machine
+    from gpuwise.hardware.devices import here
+
+    acc, _ = here(catalog)
     if device == "cpu":
         fits = [f for f in measured_here(model, spec) if f.get("engine") == engine]
         if not fits:
             return None, f"not measured here: `gpuwise bench --serve {model} --engine {engine}` measures it"
         try:
-            # here, not at the top: the catalog's GPUs plan without detecting this machine
-            from gpuwise.hardware.devices import here
-
-            return measured_replica(spec, here(catalog)[0], fits[-1]), ""
+            return measured_replica(spec, acc, fits[-1]), ""
         except (KeyError, TypeError) as e:  # a hand-edited record
             return None, f"record #{fits[-1].get('id')} is damaged ({e!r}): run `gpuwise bench --serve` again"
-    from gpuwise.hardware.devices import here
-
-    acc, _ = here(catalog)
     replica = gpu_replica(spec, acc, precision if precision in BYTES else "bf16", 1)
     if replica is None:
         return None, f"not planned: {spec.name}'s weights leave one {acc.name} no room for a KV cache"
