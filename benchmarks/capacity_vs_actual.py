@@ -110,7 +110,8 @@ def run_engine(engine: str, args, targets: Targets, traffic: Traffic, log_dir: P
     f = fit["fit"]
     print(
         f"   step = {f['a'] * 1e3:.2f} ms + {f['b'] * 1e6:.1f} us/token + {f['c'] * 1e9:.1f} ns/context token "
-        f"+ {f['d'] * 1e12:.1f} ps/pair; request {f['request_s'] * 1e3:.1f} ms; limits {fit['limits']}",
+        f"+ {f['d'] * 1e12:.1f} ps/pair + {f['e'] * 1e3:.2f} ms/sequence sampling; request {f['request_s'] * 1e3:.1f} "
+        f"ms; limits {fit['limits']}",
         flush=True,
     )
     acc, _ = here(load_catalog())

@@ -19,15 +19,16 @@ TRAFFIC = ["--rps", "0.5", "--prompt-tokens", "1000", "--output-tokens", "300"]
 
 
 class Linear:
-    """A step of a + b x tokens + c x context read: the shape of a measured CPU engine's steps."""
+    """A step of a + b x tokens + c x context read + e x sequences sampling: the shape of a measured CPU
+    engine's steps."""
 
-    def __init__(self, a=0.01, b=1e-4, c=1e-6):
-        self.a, self.b, self.c = a, b, c
+    def __init__(self, a=0.01, b=1e-4, c=1e-6, e=0.0):
+        self.a, self.b, self.c, self.e = a, b, c, e
 
-    def seconds(self, tokens, kv_tokens, pairs):
-        return self.a + self.b * tokens + self.c * kv_tokens
+    def seconds(self, tokens, kv_tokens, pairs, outputs=0):
+        return self.a + self.b * tokens + self.c * kv_tokens + self.e * outputs
 
-    def compute_bound(self, tokens, kv_tokens, pairs):
+    def compute_bound(self, tokens, kv_tokens, pairs, outputs=0):
         return tokens > 64
 
 
@@ -45,6 +46,18 @@ def test_one_request_alone_takes_its_prefill_then_one_step_a_token():
     decode = [step.seconds(1, 100 + i, 0) for i in range(1, 50)]
     assert out.tpot[0] == pytest.approx(sum(decode) / 49, rel=1e-3)  # the macro step prices at the mid context
     assert out.output_tokens == 50
+
+
+def test_each_sequence_that_samples_pays_its_sampling_in_the_step():
+    # `outputs`: a prompt's step samples its first token once; two sequences decoding together sample twice a
+    # step, and only that (e x 2) separates their time per output token from the same steps without it.
+    step, free = Linear(c=0.0, e=0.004), Linear(c=0.0)
+    alone = simulate(step, ROOMY, [Request(0.0, 100, 50)], warmup=0)
+    assert alone.ttft == [pytest.approx(step.seconds(100, 100, 0, 1))]
+    assert step.seconds(100, 100, 0, 1) > free.seconds(100, 100, 0, 1)
+    two = [Request(0.0, 10, 50), Request(0.0, 10, 50)]
+    paid, unpaid = simulate(step, ROOMY, two, warmup=0), simulate(free, ROOMY, two, warmup=0)
+    assert paid.tpot[0] - unpaid.tpot[0] == pytest.approx(2 * 0.004, rel=1e-6)
 
 
 def test_a_long_prompt_is_chunked_by_the_token_budget():

@@ -51,7 +51,7 @@ def measured(model_dir):
 
 
 def test_the_fit_holds_the_points_it_was_fitted_on(measured):
-    assert {"a", "b", "c", "d", "request_s"} <= set(measured["fit"]) and min(measured["fit"].values()) >= 0
+    assert {"a", "b", "c", "d", "e", "request_s"} <= set(measured["fit"]) and min(measured["fit"].values()) >= 0
     assert len(measured["points"]) == 7
     for p in measured["points"]:
         assert p["seconds"] > 0

@@ -5,6 +5,7 @@ it ships and stopping llama-server with it, LoRA runs as GGUF adapters applied p
 dies, a missing one, and the `auto` rule."""
 
 import re
+from pathlib import Path
 
 import openai
 import pytest
@@ -29,6 +30,9 @@ def test_the_cli_serves_the_named_base_as_it_ships_and_stops_llama_server(tmp_pa
                      "SmolLM2-135M-Instruct.Q4_1.gguf as it ships", "the same server by hand: ", "--kv-unified"):
             assert knob in printed, (knob, printed)
         pid = int(re.search(r"pid (\d+), loopback port", printed).group(1))
+        # gpuwise's own OMP_WAIT_POLICY stays in its process: llama-server's workers keep their default
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert not [v for v in environ if v.startswith((b"OMP_WAIT_POLICY=", b"GPUWISE_OWN_ONLY="))], environ
         oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         for q in PROMPTS[:2]:
             r = oa.chat.completions.create(model=BASE, messages=[{"role": "user", "content": q}], max_tokens=32,
@@ -117,3 +121,18 @@ def test_serve_auto_picks_llama_cpp_for_the_named_base_at_one_stream_only():
     assert one.engine == "llama.cpp" and one.llama_server is not None and "ahead at one stream" in one.why
     assert choose_engine("auto", [(BASE, BASE)], 32, "auto", llama_server=binary).engine == "gpuwise"
     assert choose_engine("auto", [(BASE, BASE)], 1, "bf16", llama_server=binary).engine == "gpuwise"
+
+
+def test_a_child_engine_inherits_what_the_user_set_not_what_gpuwise_set_for_itself(monkeypatch):
+    """gpuwise serve's OMP_WAIT_POLICY=PASSIVE is for its own engine's threads; an engine server it starts gets
+    the user's environment, with the user's own OMP_WAIT_POLICY where there is one."""
+    from gpuwise.serve.engines.child import OWN_ONLY, child_environ
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv(OWN_ONLY, "OMP_WAIT_POLICY")
+    monkeypatch.setenv("HF_HOME", "/somewhere")
+    env = child_environ({"LLAMA_API_KEY": "k"})
+    assert "OMP_WAIT_POLICY" not in env and OWN_ONLY not in env
+    assert env["HF_HOME"] == "/somewhere" and env["LLAMA_API_KEY"] == "k"
+    monkeypatch.delenv(OWN_ONLY)  # the user's own setting: passed on
+    assert child_environ({})["OMP_WAIT_POLICY"] == "PASSIVE"

@@ -5,8 +5,8 @@ capacity plan simulates (plan/capacity.py: Fitted), and kept in the run record f
 Measured over HTTP, as a client sees it, so that the three engines are measured alike: a prompt alone with one
 token to generate is one prefill step (its time to first token); n streams started together decode in steps of
 n rows (their time per output token). Each point is the median of `REPEATS`. The fit is non-negative least
-squares of  a + b x tokens + c x context read + d x attention pairs  (and, for a time to first token, the
-request's time outside the steps), so that each coefficient keeps its meaning."""
+squares of  a + b x tokens + c x context read + d x attention pairs + e x sequences sampling  (and, for a time
+to first token, the request's time outside the steps), so that each coefficient keeps its meaning."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ class Point:
     kv: float
     pairs: float
     seconds: float
+    outputs: int = 1  # sequences that sample a token in the step: 1 for a prompt alone, the rows decoding
 
 
 def free_port() -> int:
@@ -140,24 +141,24 @@ async def measure(url: str, model: str, progress=lambda msg: None) -> list[Point
                 medians.append(statistics.median(tpot(r) for r in runs))
             p = runs[0]["usage"].get("prompt_tokens") or n
             ctx = rows * (p + GEN / 2)
-            points.append(Point("decode", rows, p, rows, ctx, ctx, statistics.median(medians)))
+            points.append(Point("decode", rows, p, rows, ctx, ctx, statistics.median(medians), rows))
     return points
 
 
 def fit(points: list[Point]) -> dict[str, float]:
-    """Non-negative least squares of the step (a, b, c, d) and a request's time outside the steps, each point
+    """Non-negative least squares of the step (a, b, c, d, e) and a request's time outside the steps, each point
     weighted by its inverse so that the small steps count as much as the large ones (relative error)."""
     import numpy as np
     from scipy.optimize import nnls
 
-    rows = [[1.0, p.tokens, p.kv, p.pairs, 1.0 if p.kind == "prefill" else 0.0] for p in points]
+    rows = [[1.0, p.tokens, p.kv, p.pairs, p.outputs, 1.0 if p.kind == "prefill" else 0.0] for p in points]
     a = np.array(rows) / np.array([[p.seconds] for p in points])
     coef, _ = nnls(a, np.ones(len(points)))
-    return dict(zip(("a", "b", "c", "d", "request_s"), (float(x) for x in coef), strict=True))
+    return dict(zip(("a", "b", "c", "d", "e", "request_s"), (float(x) for x in coef), strict=True))
 
 
 def predicted(f: dict[str, float], p: Point) -> float:
-    step = f["a"] + f["b"] * p.tokens + f["c"] * p.kv + f["d"] * p.pairs
+    step = f["a"] + f["b"] * p.tokens + f["c"] * p.kv + f["d"] * p.pairs + f.get("e", 0.0) * p.outputs
     return step + (f["request_s"] if p.kind == "prefill" else 0.0)
 
 

