@@ -58,6 +58,8 @@ def test_the_fit_holds_the_points_it_was_fitted_on(measured):
         assert p["fitted"] == pytest.approx(p["seconds"], rel=0.6), p  # a noisy CPU; the replay below is the check
     lim = measured["limits"]
     assert lim["max_seqs"] == bs.MAX_SEQS and lim["kv_tokens"] >= bs.CONTEXT and lim["chunk_ratio"] == 1.5
+    # measured as `gpuwise serve` runs by default: on a CPU, a core left to the front end
+    assert measured["engine_line"].startswith("engine: gpuwise") and "compute thread" in measured["engine_line"]
 
 
 def test_replayed_arrivals_come_out_as_planned(measured, model_dir, tmp_path, capsys):
@@ -73,7 +75,7 @@ def test_replayed_arrivals_come_out_as_planned(measured, model_dir, tmp_path, ca
     # the measurement recorded, `gpuwise serve` says at start what it holds, and records its session when it stops
     db.record("bench-serve", "cpu", str(model_dir), measured | {"model": str(model_dir)})
     log = tmp_path / "serve.log"
-    proc, url, served = bs.start_server(str(model_dir), "gpuwise", "fp32", log)
+    proc, url, served = bs.start_server(str(model_dir), "gpuwise", "fp32", log, ("--json",))
     try:
         startup = httpx.get(url.removesuffix("/v1") + "/v1/info").json()["serving"]["goodput"]
         results = asyncio.run(_replay(url, served, arrivals))
@@ -83,7 +85,13 @@ def test_replayed_arrivals_come_out_as_planned(measured, model_dir, tmp_path, ca
         proc.wait(timeout=60)
     assert startup["goodput_rps"] > 0 and "measured by gpuwise bench --serve" in startup["source"]
     said = f"goodput at TTFT <= 2 s and TPOT <= 0.2 s for 95 % of requests: {startup['goodput_rps']:.3g} requests/s"
-    assert said in log.read_text().replace("\n", " ")
+    # --json: the start-up plan as one JSON object on stdout (the log holds stderr too), the banner's figures
+    text = log.read_text()
+    printed, _ = json.JSONDecoder().raw_decode(text[text.index("{\n"):])
+    assert printed["url"] == url and printed["engine"] == "gpuwise" and printed["device"] == "cpu"
+    assert printed["goodput"] == startup and printed["goodput_line"].startswith(said)
+    assert any("forward: " in line for line in printed["plan"]) and "serving " not in text, printed["plan"]
+    assert "compute thread" in printed["engine_why"] and printed["plan"][0].startswith("engine: gpuwise")
     assert "gpuwise_request_time_per_output_token_seconds_count 40.0" in metrics
     kept = results[4:]
     throughput = sum(r["tokens"] for r in results) / max(r["end"] for r in results)

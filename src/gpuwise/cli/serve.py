@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from gpuwise.cli.options import WorkloadOpt, console
+from gpuwise.cli.options import WorkloadOpt, console, emit
 from gpuwise.errors import GpuwiseError
 from gpuwise.serve.hosts import is_loopback_name
 
@@ -169,6 +170,15 @@ CorsOriginOpt = Annotated[
 ]
 
 GraceOpt = Annotated[float, typer.Option(min=0, max=86400, help="Seconds in-flight requests get after SIGTERM.")]
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        max=4096,
+        help="On a CPU, the compute threads of gpuwise's engine [all cores but one, left to the front end that "
+        "sends each token] or llama.cpp [all cores]; OMP_NUM_THREADS where set.",
+    ),
+]
 
 
 def serve(
@@ -199,6 +209,7 @@ def serve(
     confirmed: WorkloadOpt = None,
     cors_origin: CorsOriginOpt = None,
     grace: GraceOpt = 30.0,
+    threads: ThreadsOpt = None,
     record: Annotated[
         bool,
         typer.Option(
@@ -207,6 +218,14 @@ def serve(
             "the plan expected at that traffic, for `gpuwise runs`.",
         ),
     ] = True,
+    json_out: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print the start-up plan (where it serves, the engine, the serving plan, the goodput it holds) as "
+            "one JSON object on stdout once the model is loaded, instead of the banner; then serve.",
+        ),
+    ] = False,
 ):
     """Serve a trained run over HTTP: its workload's route (/v1/predict for images, /v1/recommend for
     rankings), with /health, /v1/info, /metrics and the OpenAPI docs at /docs. A language model (a
@@ -260,6 +279,7 @@ def serve(
     # plan and choose: what is served, on which engine (the serving plan is each backend's, printed below)
     target = Target.of(str(run_dir) if run_dir is not None else None, model)
     chosen = choose_engine(engine, list(target.refs), max_seqs, dtype, vllm_python, llama_server)
+    chosen = _set_threads(chosen, threads)
     # start
     served = load(target, chosen, runtime, limits, dtype, vllm_timeout)
     name = str(run_dir) if run_dir is not None else target.refs[0][0]  # --model alone: /v1/info names the first
@@ -281,9 +301,13 @@ def serve(
     precision = llm.precision if llm else "fp32"
     asgi = create_app(served, settings, run_id=Path(name).name, precision=precision, on_stop=on_stop)
     # print
-    console.print(_banner(llm, served, name, runtime, host, port, max_batch, max_wait_ms))
-    if goodput_line:
-        console.print(goodput_line, markup=False, highlight=False)
+    if json_out:
+        emit(_startup(llm, served, name, chosen, runtime, host, port, max_batch, max_wait_ms, goodput_line))
+        sys.stdout.flush()
+    else:
+        console.print(_banner(llm, served, name, runtime, host, port, max_batch, max_wait_ms))
+        if goodput_line:
+            console.print(goodput_line, markup=False, highlight=False)
     # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish (up to
     # --grace seconds), then runs the app's shutdown.
     uvicorn.Server(server_config(asgi, host, port, limits, grace)).run()
@@ -302,6 +326,51 @@ def _startup_plan(llm, name: str, engine: str):
     except GpuwiseError as e:
         return None, f"goodput: not planned: {e}"
     return replica, line
+
+
+def _set_threads(chosen, threads: int | None):
+    """On a CPU, the compute threads the plan gives gpuwise's engine (this process's torch) or llama.cpp (which
+    reads them from torch: serve/engines/llamacpp.py), said in the engine's line; vLLM-CPU reserves its own."""
+    import dataclasses
+
+    import torch
+
+    from gpuwise.hardware.cpu import detect_cpu
+    from gpuwise.hardware.devices import serving_device
+    from gpuwise.plan.serving import compute_threads
+
+    if chosen.engine == "vllm" or serving_device() != "cpu":
+        return chosen
+    n, why = compute_threads(detect_cpu().cores, chosen.engine, threads, os.environ.get("OMP_NUM_THREADS"))
+    torch.set_num_threads(n)
+    return dataclasses.replace(chosen, why=f"{chosen.why}; {why}")
+
+
+def _startup(llm, served, name, chosen, runtime, host, port, max_batch, max_wait_ms, goodput_line) -> dict:
+    """`serve --json`: what the banner and the goodput line say, as data."""
+    if llm is not None:
+        return {
+            "url": f"http://{host}:{port}/v1",
+            "api": "openai",
+            "models": list(llm.names),
+            "model": llm.model_name,
+            "device": llm.device,
+            "precision": llm.precision,
+            "engine": chosen.engine,
+            "engine_why": chosen.why,
+            "plan": llm.plan().splitlines(),
+            "goodput": llm.startup,
+            "goodput_line": goodput_line,
+        }
+    return {
+        "url": f"http://{host}:{port}",
+        "api": served.workload,
+        "run": name,
+        "runtime": runtime,
+        "device": served.device,
+        "max_batch": max_batch,
+        "max_wait_ms": max_wait_ms,
+    }
 
 
 def _banner(llm, served, name: str, runtime: str, host: str, port: int, max_batch: int, max_wait_ms: float) -> str:

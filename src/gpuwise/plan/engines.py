@@ -254,7 +254,8 @@ LLAMA_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0")
 class LlamaCppArgs:
     """llama.cpp's llama-server, as gpuwise's plan sets it: `parallel` slots (--max-seqs) sharing one KV cache of
     `ctx_size` tokens (gpuwise's KV budget; --kv-unified, so that one long sequence may take what short ones
-    leave), `threads` as gpuwise's engine uses, LoRA adapters loaded at scale 0 and applied per request."""
+    leave), `threads` as the plan gives them (plan/serving.py: compute_threads), LoRA adapters loaded at scale 0
+    and applied per request."""
 
     model: str
     served_name: str

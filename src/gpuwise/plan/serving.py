@@ -78,3 +78,32 @@ def plan_server(
 def usable_bytes(free_bytes: int, device: str) -> int:
     """What of `free_bytes` a server may fill (its KV cache, packed weight copies): KV_SHARE of it."""
     return int(free_bytes * KV_SHARE[device])
+
+
+def compute_threads(
+    cores: int, engine: str = "gpuwise", given: int | None = None, env: str | None = None
+) -> tuple[int, str]:
+    """The compute threads of `engine` serving on a CPU of `cores`, and why: `given` (--threads), else the user's
+    OMP_NUM_THREADS (`env`), else:
+    - gpuwise's engine: all cores but one, which is left to the front end in the same process: its event loop
+      reads each token and sends it on, and on every core those wake-ups preempt the engine's threads mid-step,
+      so that steps under load ran slower than `bench --serve` measures them alone and the serving plan missed.
+      With a core of its own, the plan holds, at the same capacity (vLLM-CPU reserves a core for its front end
+      likewise: VLLM_CPU_NUM_OF_RESERVED_CPU);
+    - llama.cpp, a process of its own whose threads each do a share of every step: every core, as llama.cpp
+      itself would; one core fewer cost it more than half its capacity on 2 cores.
+    docs/serving.md "One core for the front end" has the measurements."""
+
+    def threads(n: int) -> str:
+        return f"{n} compute thread{'s' if n > 1 else ''}"
+
+    if given is not None:
+        return given, f"{threads(given)} (--threads)"
+    if env and env.isdigit() and int(env) > 0:
+        return int(env), f"{threads(int(env))} (OMP_NUM_THREADS)"
+    of = f"of {cores} core{'s' if cores > 1 else ''}"
+    if engine == "llama.cpp":
+        return cores, f"{threads(cores)} {of} (--threads to change)"
+    n = max(1, cores - 1)
+    left = "one left to the front end" if cores > 1 else "the front end shares it"
+    return n, f"{threads(n)} {of} ({left}; --threads to change)"

@@ -62,8 +62,9 @@ class Info(BaseModel):
     eval: dict = Field(default_factory=dict, description="the run's held-out metrics, as `gpuwise train` scored them")
     serving: dict | None = Field(
         None,
-        description="a language model's serving plan: context, KV bytes a token, KV budget (tokens), slots, and the "
-        "goodput planned at the default targets (null where not planned)",
+        description="a language model's serving plan: context, KV bytes a token, KV budget (tokens), slots, the "
+        "goodput planned at the default targets (null where not planned), and the engine line (which engine, why, "
+        "its compute threads on a CPU)",
     )
 
 
@@ -296,7 +297,7 @@ def create_app(served, settings: Settings, run_id: str, precision: str, on_stop=
             limits=asdict(limits),
             steps=trained.steps if trained else None,
             eval=trained.eval if trained else {},
-            serving=asdict(served.backends[0].serving) | {"goodput": served.startup}
+            serving=asdict(served.backends[0].serving) | {"goodput": served.startup, "engine": served.engine_line}
             if hasattr(served, "backends")
             else None,
         )
