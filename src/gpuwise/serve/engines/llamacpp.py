@@ -63,8 +63,41 @@ def find_llama_server(path: str | None) -> tuple[Path, str] | None:
     ]
     for candidate, where in candidates:
         if candidate and (found := shutil.which(os.path.expanduser(candidate))):
+            if where == "make llama.cpp":
+                check_own_build(install_dir())
             return Path(found), where
     return None
+
+
+def check_own_build(root: Path) -> None:
+    """gpuwise runs the llama-server it built (its libraries, and llama.cpp's converters beside it) without being
+    told to: `root` and everything under it must be this user's (or root's) and writable by no one else, or
+    another user could have put a program of their own there (a cache under a shared, world-writable folder).
+    GpuwiseError says which and what to do. A binary named by --llama-server, GPUWISE_LLAMA_SERVER or PATH is
+    the user's own choice, and is not checked."""
+    import stat
+
+    me = os.geteuid()
+    for folder, dirs, files in os.walk(root):
+        for path in [Path(folder)] + [Path(folder) / n for n in (*dirs, *files)]:
+            info = path.lstat()
+            if stat.S_ISLNK(info.st_mode):  # its target is checked where it lies, here, or refused below
+                target = path.resolve()
+                if root.resolve() not in target.parents:
+                    why = f"is a symlink out of {root}"
+                else:
+                    continue
+            elif info.st_uid not in (me, 0):
+                why = f"is owned by uid {info.st_uid}, not this user ({me})"
+            elif info.st_mode & 0o022:
+                why = f"is writable by others (mode {stat.S_IMODE(info.st_mode):o})"
+            else:
+                continue
+            raise GpuwiseError(
+                f"{path} {why}: gpuwise does not run a llama-server that another user could have replaced; "
+                "rebuild it with `make llama.cpp` in a cache of your own (GPUWISE_CACHE), or name one with "
+                "--llama-server"
+            )
 
 
 def llama_server_version(binary: Path) -> str:
@@ -220,7 +253,7 @@ class LlamaCppBackend(ChildBackend):
     ):
         """The plan: llama-server's arguments (the KV cache and the slots from the serving plan) and each model
         id's adapter. Converts what must be converted; `start` runs it."""
-        import torch  # the threads gpuwise's own engine would use
+        import torch  # its threads: what `gpuwise serve` planned (cli/serve.py, plan/serving.py: compute_threads)
 
         self.tok, self.device, self.binary = tok, "cpu", binary
         self.gguf, self.made = gguf_model(ref, source, dtype, binary)
