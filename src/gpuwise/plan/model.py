@@ -7,6 +7,7 @@ exactly (a test holds every preset to its published count).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -360,6 +361,44 @@ def from_gguf(path: Path, name: str | None = None) -> ModelSpec:
     )
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # a Hugging Face hub id: owner/name
+# what a fine-tuned variant adds to its base's name; it keeps the base's dimensions
+VARIANT = re.compile(r"-(instruct|chat|it|hf|base)$", re.IGNORECASE)
+
+
+def _base_id(repo: str) -> str:
+    """A hub id without its variant suffixes, lower case: meta-llama/Llama-2-7b-chat-hf -> meta-llama/llama-2-7b."""
+    while (shorter := VARIANT.sub("", repo)) != repo:
+        repo = shorter
+    return repo.lower()
+
+
+def from_hub(repo: str) -> ModelSpec:
+    """A Hugging Face hub id, as `train --base` and `serve` take it: its config.json from the local hub cache; else
+    the preset whose source is that model or its base (an instruct or chat variant has its base's dimensions);
+    else one line, at once: the plan downloads nothing."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(repo, "config.json")
+    except ValueError:  # not a valid repo id after all
+        cached = None
+    if isinstance(cached, str):
+        spec = from_hf_config(Path(cached))
+        return replace(spec, name=repo, source=f"{repo} config.json, from the local hub cache")
+    base = _base_id(repo)
+    for name, preset in PRESETS.items():
+        origin = str(preset.get("source", "")).split(" ")[0]
+        if origin and _base_id(origin) == base:
+            note = f"{repo}: planned as the preset {name} ({origin}), whose dimensions it has"
+            return replace(ModelSpec(name=name, **preset), notes="; ".join(filter(None, [note, preset.get("notes")])))
+    raise GpuwiseError(
+        f"'{repo}' (a Hugging Face hub id) is neither in the local hub cache ({constants.HF_HUB_CACHE}) nor a "
+        f"preset's model, and gpuwise plan downloads nothing: fetch its config.json (`hf download {repo} "
+        "config.json`) and pass that path, or give a preset or dimensions"
+    )
+
+
 def resolve_model(text: str) -> ModelSpec:
     """MODEL as the CLI takes it: a preset name, a named base, a .gguf or config.json path, or key=value dimensions."""
     key = text.strip().lower()
@@ -387,6 +426,8 @@ def resolve_model(text: str) -> ModelSpec:
         return from_gguf(path)
     if found or text.endswith(".json"):
         return from_hf_config(path)
+    if HUB_ID.match(text.strip()):
+        return from_hub(text.strip())
     known = list(PRESETS) + list(NAMED_BASES)
     raise GpuwiseError(
         f"unknown model '{shown}'{closest(key, known)}; give a preset or named base "

@@ -22,8 +22,8 @@ def load_tokenizer(cfg, texts: list[str], recipe: ProductLMRecipe):
         return train_tokenizer(texts, recipe.scratch_vocab)
     from transformers import AutoConfig, AutoTokenizer
 
+    source = resolve_base(cfg.base)  # hashes a GGUF file: once here; its errors are one line already
     try:
-        source = resolve_base(cfg.base)  # hashes a GGUF file: once here
         tok = AutoTokenizer.from_pretrained(source)
     except Exception as e:  # noqa: BLE001 - a broken config.json raises anything from TypeError to KeyError
         raise GpuwiseError(f"--base {cfg.base}: cannot load its tokenizer ({first_line(e)})") from None
