@@ -1,5 +1,7 @@
 """The hardware catalog: complete, sourced, and overridable by the user's own files."""
 
+import re
+
 import pytest
 
 from gpuwise.errors import GpuwiseError
@@ -146,3 +148,59 @@ def test_missing_file_is_a_clear_error(tmp_path):
 def test_torch_device_names_match_catalog_rows(catalog, name, slug):
     acc = match_device(catalog, name)
     assert (acc.slug if acc else None) == slug
+
+
+def test_a_price_says_what_it_is_and_its_share_of_one_gpu_is_shown_derived(catalog, capsys):
+    """A server's price is shown as quoted, and a GPU's share of it as derived from it: "$199,000 for ... / 8
+    GPUs = $24,875/GPU", never "$24,875" as if a GPU were sold at that; every purchase row says what kind of
+    price it is (issue #50)."""
+    import json
+
+    from gpuwise.cli import main
+
+    for p in catalog.purchase:
+        assert re.search(r"launch (price|MSRP)|as reported|as estimated", p.item), p
+    dgx = next(p for p in catalog.purchase if p.slug == "a100-40gb")
+    said = "$199,000 for NVIDIA DGX A100 server (8x A100 40GB) at its launch price / 8 GPUs = $24,875/GPU"
+    assert dgx.what == said
+    assert main(["hardware", "a100-40gb"]) == 0
+    assert said in " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "a100-40gb"]) == 0
+    assert "$199,000 for NVIDIA DGX A100 server" in " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "a100-40gb", "--json"]) == 0
+    on = json.loads(capsys.readouterr().out)["onprem"]
+    assert (on["purchase_usd"], on["purchase_gpus"], on["purchase_usd_per_gpu"]) == (199000, 8, 24875)
+
+
+def test_no_source_repeats_its_date(catalog):
+    for price in catalog.cloud + catalog.purchase:
+        assert f"({price.as_of})" not in price.source, price
+
+
+def test_a_price_s_age_and_when_it_is_stale():
+    from datetime import date
+
+    from gpuwise.hardware.catalog import price_age
+
+    today = date(2026, 12, 4)
+    assert price_age("2022-10", today) == ("as of 2022-10, 4.2 years old", True)
+    assert price_age("2026-09", today) == ("as of 2026-09", False)
+    assert price_age("2025-11-20", today) == ("as of 2025-11-20, 1.0 years old", True)
+    assert price_age("undated", today) == ("undated", True)
+
+
+def test_a_recommendation_resting_on_an_old_purchase_price_says_so(capsys, tmp_path):
+    import json
+
+    from gpuwise.cli import main
+
+    quote = tmp_path / "quote.csv"
+    quote.write_text("slug,item,usd,gpus,as_of,source\nrtx-4090,one RTX 4090 card as quoted to us,1700,1,2021-03,"
+                     "our reseller\n")  # fmt: skip
+    argv = ["plan", "--model", "llama-3.1-8b", "--task", "qlora", "--gpu", "rtx-4090", "--json"]
+    argv += ["--catalog", str(quote)]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["onprem"]["as_of"] == "2021-03"
+    [said] = [w for w in res["warnings"] if w.startswith("the on-prem figure rests on a purchase price")]
+    assert "as of 2021-03" in said and "years old" in said and "our reseller" in said

@@ -52,6 +52,23 @@ def test_sweep_is_sorted_by_cost_among_fitting_options(capsys):
     assert fits == sorted(fits, reverse=True)  # all fitting rows come first
 
 
+def test_what_the_sweep_lists_out_of_price_order_is_marked_and_said(capsys):
+    """At batch 32 an 8B model needs two of a 24 GB card: tensor parallel over PCIe, whose time is too optimistic
+    to compete, so it is listed after the price order, and says so (issue #50)."""
+    _, out, _ = run(capsys, "plan", "--model", "llama-3.1-8b", "--batch", "32", "--json")
+    rows = [r for r in json.loads(out)["options"] if r["fits"]]
+    kept = [r for r in rows if not r["demoted"]]
+    assert rows[: len(kept)] == kept  # the price order first, the demoted after it
+    costs = [min(c["usd"] for c in r["cost"]) for r in kept if r["cost"]]
+    assert costs == sorted(costs) and all(r["cost"] for r in kept)
+    [rtx4090] = [r for r in rows if r["gpu"] == "rtx-4090"]
+    assert rtx4090["layout"]["tp"] == 2 and rtx4090["demoted"].startswith("tensor parallel over PCIe")
+    assert min(c["usd"] for c in rtx4090["cost"]) < costs[-1]  # cheaper-looking, yet below
+    _, text, _ = run(capsys, "plan", "--model", "llama-3.1-8b", "--batch", "32")
+    flat = " ".join(text.split())
+    assert "rtx-4090 ↓" in flat and "↓ listed after the price order: no price in the catalog; tensor parallel" in flat
+
+
 def test_plan_with_one_gpu_picks_the_fewest_that_fit(capsys):
     _, out, _ = run(capsys, "plan", "--model", "llama-3.1-70b", "--task", "finetune", "--gpu", "h100-sxm", "--json")
     res = json.loads(out)

@@ -162,8 +162,10 @@ class OnPremCost(Result):
     provider: str = Field(description="always 'on-prem'")
     usd: Number = Field(description="cost of the job, USD")
     usd_per_gpu_hour: Number = Field(description="amortized purchase + power, USD per busy GPU-hour")
-    purchase_usd_per_gpu: Number = Field(description="purchase price per GPU, USD")
-    item: str = Field(description="what the purchase price is for (a server, a card)")
+    purchase_usd_per_gpu: Number = Field(description="purchase price per GPU, USD: purchase_usd / purchase_gpus")
+    purchase_usd: Number | None = Field(None, description="the price as quoted, USD, for `item`")
+    purchase_gpus: int | None = Field(None, description="GPUs in `item` (8 for a server of 8, 1 for a card)")
+    item: str = Field(description="what the purchase price is for (a server, a card), and what kind of price")
     as_of: str = Field(description="date of the purchase price, or 'undated'")
     source: str = Field(description="where the purchase price comes from")
     power_kw_per_gpu: Number = Field(description="power at the wall per GPU (TDP x host x PUE), kW")
@@ -211,6 +213,11 @@ class PlanOption(PlanFields):
 
     cheapest: bool = Field(False, description="the recommended option: the cheapest that fits")
     fastest: bool = Field(False, description="the fastest option that fits (no tensor parallel over PCIe)")
+    demoted: str | None = Field(
+        None,
+        description="why a fitting option is listed below cheaper-looking ones: tensor parallel over PCIe (its time "
+        "too optimistic to compare) or no price; null where it is in price order",
+    )
 
 
 class ServingPlan(Result):

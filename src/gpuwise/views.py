@@ -6,7 +6,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from gpuwise.hardware.catalog import Catalog
+from gpuwise.hardware.catalog import Catalog, price_age
 from gpuwise.hardware.devices import Devices
 from gpuwise.results import PlanFields, PlanResult, TracedPlan
 
@@ -42,6 +42,15 @@ def count(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f}"
+
+
+def _purchase(on) -> str:
+    """An on-prem estimate's purchase price as quoted, and its share of one GPU where it is a server's."""
+    if on.purchase_usd is None or not on.purchase_gpus:  # a record from before they were kept
+        return f"{on.item}, {usd(on.purchase_usd_per_gpu)}/GPU"
+    quoted = f"{usd(on.purchase_usd)} for {on.item}"
+    per = f" / {on.purchase_gpus} GPUs = {usd(on.purchase_usd_per_gpu)}/GPU" if on.purchase_gpus > 1 else ""
+    return quoted + per
 
 
 def dated(as_of: str) -> str:
@@ -110,13 +119,15 @@ def render_accelerator(console: Console, catalog: Catalog, slug: str) -> None:
     ):
         t.add_row(label, value)
     for p in catalog.prices(a.slug):
-        t.add_row(f"cloud: {p.provider}", f"${p.usd_per_gpu_hour:.2f}/GPU-h, {p.kind} — {p.source} ({dated(p.as_of)})")
+        t.add_row(
+            f"cloud: {p.provider}", f"${p.usd_per_gpu_hour:.2f}/GPU-h, {p.kind} — {p.source} ({price_age(p.as_of)[0]})"
+        )
     chosen = catalog.purchase_price(a.slug)
     for buy in (b for b in catalog.purchase if b.slug == a.slug):
         mark = " [used for on-prem]" if buy is chosen else ""
         t.add_row(
             "purchase",
-            f"{usd(buy.usd)} for {buy.item} ({usd(buy.usd_per_gpu)}/GPU) — {buy.source} ({dated(buy.as_of)}){mark}",
+            f"{buy.what} — {buy.source} ({price_age(buy.as_of)[0]}){mark}",
         )
     console.print(t)
 
@@ -162,7 +173,8 @@ def render_plan(console: Console, res: PlanResult | dict, sweep: bool) -> None:
         + (f" · trainable {count(res.trainable_params or 0)}" if task in ("lora", "qlora") else "")
     )
     if sweep:
-        console.print("[bold]Every accelerator at the fewest GPUs that fit, cheapest first[/]")
+        console.print("[bold]Every accelerator at the fewest GPUs that fit, cheapest first (↓: not comparable on "
+                      "price, listed after)[/]")  # fmt: skip
         t = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
         for col, right in (
             ("GPU", False),
@@ -179,7 +191,7 @@ def render_plan(console: Console, res: PlanResult | dict, sweep: bool) -> None:
         for row in res.options:
             comp, on = row.compute, row.onprem
             cloud = min(row.cost, key=lambda c: c.usd) if row.cost else None
-            mark = (" ★" if row.cheapest else "") + (" ⚡" if row.fastest else "")
+            mark = (" ★" if row.cheapest else "") + (" ⚡" if row.fastest else "") + (" ↓" if row.demoted else "")
             t.add_row(
                 row.gpu + mark,
                 _layout(row),
@@ -191,8 +203,11 @@ def render_plan(console: Console, res: PlanResult | dict, sweep: bool) -> None:
                 usd(on.usd) if on else "-",
             )
         console.print(t)
+        demoted = sorted({row.demoted for row in res.options if row.demoted})
         console.print(
-            "★ cheapest that fits, ⚡ fastest that fits. fits: share of memory left free. cloud $: the "
+            "★ cheapest that fits, ⚡ fastest that fits"
+            + (f", ↓ listed after the price order: {'; '.join(demoted)}" if demoted else "")
+            + ". fits: share of memory left free. cloud $: the "
             "cheapest provider; on-prem $: purchase amortized + power (assumptions below). time: wall clock at that "
             "GPU count (more GPUs shorten it; GPU-hours and cost stay about the same). GPUs: DP data, "
             "Z ZeRO stage, TP tensor, PP pipeline parallel. `--json` gives every figure with its source."
@@ -293,7 +308,7 @@ def _render_detail(console: Console, res: PlanResult) -> None:
         for col in ("provider", "$/GPU-h", "total", "source (as of)"):
             t.add_column(col)
         for c in res.cost:
-            t.add_row(c.provider, f"{c.usd_per_gpu_hour:.2f}", usd(c.usd), f"{c.source} ({c.as_of})")
+            t.add_row(c.provider, f"{c.usd_per_gpu_hour:.2f}", usd(c.usd), f"{c.source} ({price_age(c.as_of)[0]})")
         on = res.onprem
         if on:
             be = on.breakeven_utilization
@@ -301,7 +316,7 @@ def _render_detail(console: Console, res: PlanResult) -> None:
                 "on-prem",
                 f"{on.usd_per_gpu_hour:.2f}",
                 usd(on.usd),
-                f"{on.item}, {usd(on.purchase_usd_per_gpu)}/GPU — {on.source} ({on.as_of})",
+                f"{_purchase(on)} — {on.source} ({price_age(on.as_of)[0]})",
             )
             console.print(t)
             console.print(

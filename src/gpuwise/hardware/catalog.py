@@ -9,6 +9,7 @@ and because people keep prices in spreadsheets.
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import math
 import os
 import re
@@ -89,6 +90,33 @@ class PurchasePrice:
     @property
     def usd_per_gpu(self) -> float:
         return self.usd / self.gpus
+
+    @property
+    def what(self) -> str:
+        """The price as it was quoted, and the share of one GPU where it is a server's: "$199,000 for NVIDIA
+        DGX A100 ... / 8 GPUs = $24,875/GPU"; a per-GPU figure is never shown as if it were a list price."""
+        quoted = f"${self.usd:,.0f} for {self.item}"
+        return quoted + (f" / {self.gpus} GPUs = ${self.usd_per_gpu:,.0f}/GPU" if self.gpus > 1 else "")
+
+
+# A price older than this is flagged where a recommendation rests on it: GPU prices move within a year.
+STALE_DAYS = 365
+
+
+def price_age(as_of: str, today: dt.date | None = None) -> tuple[str, bool]:
+    """A price's date in words ("as of 2022-10, 4.2 years old") and whether it is undated or older than
+    STALE_DAYS, from `today` (default: today)."""
+    if as_of == "undated":
+        return "undated", True
+    try:
+        parts = [int(x) for x in as_of.split("-")]
+        when = dt.date(parts[0], parts[1] if len(parts) > 1 else 1, parts[2] if len(parts) > 2 else 1)
+    except (ValueError, IndexError):
+        return f"as of {as_of}", False
+    days = ((today or dt.date.today()) - when).days
+    if days <= STALE_DAYS:
+        return f"as of {as_of}", False
+    return f"as of {as_of}, {days / 365.25:.1f} years old", True
 
 
 # Column -> (type, required). The header of a file picks its table.

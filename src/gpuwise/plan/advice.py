@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gpuwise.hardware.catalog import price_age
 from gpuwise.hardware.reference import GiB
 from gpuwise.plan import request as r
 from gpuwise.plan.memory import memory
@@ -14,7 +15,6 @@ if TYPE_CHECKING:
     from gpuwise.plan.planner import Plan
 
 HEADROOM = 0.10
-STALE_BEFORE = "2025-01"  # prices older than this (or undated) are flagged
 
 
 def option_warnings(plan: Plan) -> list[str]:
@@ -48,11 +48,11 @@ def option_warnings(plan: Plan) -> list[str]:
             "all-reduces over that link, so expect far below the estimated speed"
         )
     priced = sorted(plan.cost, key=lambda c: c["usd"])
-    if priced and (priced[0]["as_of"] == "undated" or priced[0]["as_of"] < STALE_BEFORE):
+    if priced and (age := price_age(priced[0]["as_of"]))[1]:
         c = priced[0]
         out.append(
-            f"{acc.slug}: the {c['provider']} price ({c['usd_per_gpu_hour']} USD/h) is "
-            f"{'undated' if c['as_of'] == 'undated' else 'from ' + c['as_of']}; check it before you rely on it"
+            f"{acc.slug}: the {c['provider']} price ({c['usd_per_gpu_hour']} USD/h) is {age[0]}; check it before you "
+            "rely on it"
         )
     return out
 
@@ -72,6 +72,7 @@ def plan_warnings(model: ModelSpec, req: r.PlanRequest, options: list[Plan], cat
             "nothing in the catalog fits: try --checkpointing full, a smaller --batch or --seq, "
             "--task lora/qlora, or more --gpus"
         )
+    out += stale_purchase(options[0])
     best = options[0].compute
     if best and best.efficiency_origin == r.EFFICIENCY.origin:
         out.append(
@@ -79,6 +80,19 @@ def plan_warnings(model: ModelSpec, req: r.PlanRequest, options: list[Plan], cat
             "pass --efficiency with the share of peak your stack reaches"
         )
     return out
+
+
+def stale_purchase(plan: Plan) -> list[str]:
+    """A line where the recommendation's on-prem figure rests on a purchase price that is undated or more than a
+    year old (its cloud price is flagged with the option: option_warnings)."""
+    on = plan.onprem if plan.fits else None
+    age, stale = price_age(on["as_of"]) if on else ("", False)
+    if not (on and stale):
+        return []
+    return [
+        f"the on-prem figure rests on a purchase price {age} ({on['item']}, {on['source']}): today's price may "
+        "differ; pass --catalog with a quote of your own"
+    ]
 
 
 def assumptions_used(req: r.PlanRequest, plan: Plan) -> list[dict]:

@@ -61,6 +61,8 @@ def onprem_cost(
         "usd": gpu_hours * (capex_per_hour + power_per_hour),
         "usd_per_gpu_hour": capex_per_hour + power_per_hour,
         "purchase_usd_per_gpu": price.usd_per_gpu,
+        "purchase_usd": price.usd,
+        "purchase_gpus": price.gpus,
         "item": price.item,
         "as_of": price.as_of,
         "source": price.source,

@@ -189,6 +189,17 @@ def _sort_key(p: Plan):
     return (not p.fits, _slow_link(p), usd is None, usd or 0.0, p.compute.wall_hours if p.compute else 0.0)
 
 
+def _demoted(p: Plan) -> str | None:
+    """Why `_sort_key` puts a fitting option below the price order, in words; None where it does not."""
+    if not p.fits:
+        return None
+    if _slow_link(p):
+        return f"tensor parallel over PCIe (TP{p.layout.tp} beyond NVLink's {p.acc.nvlink_domain}): time too optimistic"
+    if p.cheapest_usd is None:
+        return "no price in the catalog"
+    return None
+
+
 def build_plan(model: ModelSpec, req: PlanRequest, catalog: Catalog) -> PlanResult:
     """The whole answer: the recommended plan's fields at the top, every option under "options"."""
     validate(req, model)
@@ -208,7 +219,10 @@ def build_plan(model: ModelSpec, req: PlanRequest, catalog: Catalog) -> PlanResu
             "recommended": best.fits,
             "warnings": advice.plan_warnings(model, req, options, catalog) + best.warnings,
             "assumptions": advice.assumptions_used(req, best),
-            "options": [o.as_dict() | {"cheapest": o is best and o.fits, "fastest": o is fastest} for o in options],
+            "options": [
+                o.as_dict() | {"cheapest": o is best and o.fits, "fastest": o is fastest, "demoted": _demoted(o)}
+                for o in options
+            ],
         }
     )
 
