@@ -29,6 +29,10 @@ def test_quick_cpu_bench_json_and_chart(capsys, tmp_path):
     page = tmp_path / "bench.html"
     assert main(["report", "--bench", str(res["record_id"]), "--out", str(page)]) == 0
     assert page.read_text().count("data:image/png;base64,") == 1
+    capsys.readouterr()
+    assert main(["report", "--bench", str(res["record_id"]), "--out", str(page), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert ["cpu", "matmul fp32"] in [r[:2] for r in rows]
 
 
 @pytest.mark.parametrize("device,needle", [("cuda:7", "no such CUDA device"), ("tpu", "must be cpu, cuda:N or all")])

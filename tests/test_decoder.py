@@ -5,6 +5,7 @@ where this CPU can (oneDNN; MKL for fp32 where oneDNN is missing). What it does 
 forward that disagrees at load, fall back to transformers'."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def test_the_fused_forward_gives_transformers_logits(kind, dtype):
     pack = packing("cpu", dtype)
     decoder, note = fused.fused_decoder(model, pack)
     assert decoder is not None, note
-    assert "fused decoder" in note
+    assert re.search(r"fused decoder \(its logits within [0-9.e-]+ % of transformers' at load, of the largest", note)
     # the check at load, done again here on another prompt through the engine's own cache
     from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
 

@@ -54,3 +54,27 @@ def test_the_readme_is_a_front_door():
 def test_slugs_follow_github():
     assert slug("`gpuwise devices` — what is here") == "gpuwise-devices--what-is-here"
     assert slug("`--json` schema of `gpuwise plan`") == "--json-schema-of-gpuwise-plan"
+
+
+def test_the_readme_s_json_promise_holds_for_every_command():
+    """The README's "every one but `chat`, `ui`, `schema` and `runs show` has `--json`", against each command's
+    options as the CLI declares them."""
+    import typer
+
+    from gpuwise.cli.app import app
+
+    def commands(c, prefix=()):
+        subs = getattr(c, "commands", None)
+        if subs is None:
+            yield " ".join(prefix), c
+        for name, sub in (subs or {}).items():
+            yield from commands(sub, (*prefix, name))
+
+    readme = (ROOT / "README.md").read_text()
+    said = "every one but `chat` (a conversation), `ui` (a web app), `schema` and `runs show` (JSON always)"
+    assert f"{said} has `--json`" in " ".join(readme.split())
+    found = dict(commands(typer.main.get_command(app)))
+    assert {"chat", "ui", "serve", "report", "plan", "runs show"} <= set(found)
+    for name, command in found.items():
+        has = any("--json" in getattr(p, "opts", ()) for p in command.params)
+        assert has == (name not in ("chat", "ui", "schema", "runs show")), name

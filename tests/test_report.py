@@ -24,12 +24,22 @@ def test_run_and_plan_reports(capsys, tmp_path):
     assert page.startswith("<!doctype html>") and page.count("data:image/png;base64,") >= 4  # loss, speed, eval, plan
     assert "Quality on held-out data" in page and "majority class" in page
     capsys.readouterr()
+    # --json: the figures the page draws, and where the page went
+    assert main(["report", str(run), "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["report"] == str(run / "report.html") and figures["kind"] == "run"
+    assert figures["summary"]["steps"] == 3 and sum("loss" in r for r in figures["metrics"]) >= 3
 
     assert main(["plan", "--model", "llama-3.1-8b", "--task", "qlora", "--json"]) == 0
     plan_id = json.loads(capsys.readouterr().out)["record_id"]
     out = tmp_path / "plan.html"
     assert main(["report", "--plan", str(plan_id), "--out", str(out)]) == 0
     assert "Pareto front" in out.read_text()
+    capsys.readouterr()
+    assert main(["report", "--plan", str(plan_id), "--out", str(out), "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["kind"] == "plan" and figures["record_id"] == plan_id and figures["task"] == "qlora"
+    assert figures["front"] and all(p in figures["points"] for p in figures["front"])
 
 
 def test_report_refusals_are_one_line(capsys, tmp_path):

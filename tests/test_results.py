@@ -135,6 +135,14 @@ def test_bench_round_trips_as_the_same_json(tmp_path):
     render(con, BENCH)
     text = con.file.getvalue()
     assert "host -> device" in text and "l4 (projected) vs cpu" in text and "projected, not measured" in text
+    assert "*" not in text and "above 100 %" not in text
+    # a CPU whose boost runs above the clock it reports: the share is starred, and the note says why
+    boosted = json.loads(json.dumps(BENCH))
+    boosted["devices"]["cpu"]["matmul"]["fp32"]["fraction_of_peak"] = 1.41
+    con = Console(file=io.StringIO(), width=200)
+    render(con, boosted)
+    text = con.file.getvalue()
+    assert "141%*" in text and "* above 100 %: the device ran faster than the clock its peak counts" in text
 
 
 @pytest.mark.parametrize("kind", ["plan", "traced", "train", "bench"])
@@ -221,12 +229,21 @@ def test_old_and_odd_records_list_and_compare(capsys):
     db.record("bench", "cuda:h100-sxm", "bench", {})  # damaged: no devices
     assert main(["runs"]) == 0
     out = capsys.readouterr().out
-    assert "40 steps, ndcg@10 0.12" in out and "1 x h100-sxm, fits True, traced" in out and "damaged" in out
+    # a result beside its baseline, and the training's wall time
+    assert "40 steps, ndcg@10 0.12 (popularity 0.1), 2 s" in out
+    assert "1 x h100-sxm, fits True, traced" in out and "damaged" in out
     assert main(["runs", "compare", "--json"]) == 0
     [row] = json.loads(capsys.readouterr().out)
     assert row["memory_error"] == -0.5 and row["step_time_error"] is None and row["step_time_basis"] is None
     assert main(["runs", "show", "3"]) == 0  # the record as stored, damaged or not
     assert json.loads(capsys.readouterr().out)["data"] == {}
+    # a plan says its task: a QLoRA plan and an inference plan do not read alike
+    assert main(["plan", "--model", "llama-2-7b", "--task", "qlora"]) == 0
+    assert main(["plan", "--model", "llama-2-7b", "--task", "inference"]) == 0
+    capsys.readouterr()
+    assert main(["runs"]) == 0
+    out = capsys.readouterr().out
+    assert "qlora: 1 x " in out and "inference: 1 x " in out
 
 
 def test_a_producer_cannot_add_a_key_no_model_declares(catalog):

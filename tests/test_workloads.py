@@ -2,6 +2,7 @@
 loaded through the real from_pretrained path from a temp dir."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -50,6 +51,9 @@ def test_defects_metrics_baseline_and_predict(capsys, cells, tmp_path):
     assert 0 <= row["probability"] <= 1 and row["label"] in ("functional", "defective")
     code, out, err = cli(capsys, "predict {} {}", tmp_path / "run", cells / "defective" / "000.png")
     assert code == 0 and "p(defective) = " in out, err
+    (tmp_path / "huge.png").write_bytes(png_header(20_000, 20_000))  # 400 megapixels: the image is to blame
+    err = one_line_error(capsys, "predict {} {}", tmp_path / "run", tmp_path / "huge.png")
+    assert "huge.png: not a readable image (DecompressionBombError" in err and "trained model" not in err
 
 
 def test_multiscale_assembles_members_trained_apart_and_resumes_a_missing_one(capsys, cells, tmp_path):
@@ -466,6 +470,23 @@ def test_corrupt_image_names_the_file(capsys, tmp_path):
     err = one_line_error(capsys, "train defects --data {} --run-dir {}", bad, tmp_path / "run")
     assert "broken.png: not a readable image" in err
     assert not (tmp_path / "run" / "config.yaml").exists()
+    # 400 megapixels by its header (PIL's decompression-bomb guard): the image is blamed, not the model
+    bomb = image_folder(tmp_path / "bomb", per_class=4)
+    (bomb / "defective" / "huge.png").write_bytes(png_header(20_000, 20_000))
+    err = one_line_error(capsys, "train defects --data {} --run-dir {}", bomb, tmp_path / "run")
+    assert "huge.png: not a readable image (DecompressionBombError" in err
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG of a signature, an IHDR of `width` x `height` (8-bit grey) and an IEND: PIL opens it by its header."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
 
 
 def test_missing_column_and_empty_files(capsys, tmp_path):
@@ -554,3 +575,45 @@ def test_qlora_survives_an_evaluation_on_a_cpu_with_bnb_packed_kernel(tmp_path, 
     assert before and all(before[n].abs().sum() > 0 for n in before if "lora_B" in n)
     for n in before:
         torch.testing.assert_close(after[n], before[n])
+
+
+def test_lightning_s_srun_hint_is_not_passed_on_where_slurm_is_installed(tmp_path, monkeypatch):
+    """gpuwise decides how its processes start (docs/launch.md): Lightning's hint to prepend `srun`, which it gives
+    wherever an `srun` is on the PATH, is noise to a user of `gpuwise train` (issue #50)."""
+    import warnings
+
+    from gpuwise.train.config import TrainConfig
+    from gpuwise.train.engine import make_fabric
+
+    srun = tmp_path / "bin" / "srun"
+    srun.parent.mkdir()
+    srun.write_text("#!/bin/sh\nexit 0\n")
+    srun.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{srun.parent}{os.pathsep}{os.environ['PATH']}")
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_fabric(TrainConfig("defects", accelerator="cpu", devices=1, precision="32-true"))
+    assert not [w for w in caught if "srun" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_the_training_bar_names_each_evaluation_phase_while_it_runs():
+    """An evaluation on held-out data can take minutes (product-lm's before step 1): the bar says so, then
+    `train` again, even when the evaluation fails (issue #50)."""
+    from gpuwise.train.loop import _phase
+
+    class Bar:
+        said: list[str] = []
+
+        def update(self, task, description):
+            self.said.append(description)
+
+    bar = (Bar(), 0)
+    with _phase(bar, "evaluating before training (held out)"):
+        pass
+    with pytest.raises(RuntimeError), _phase(bar, "final evaluation (held out)"):
+        raise RuntimeError("out of memory")
+    assert Bar.said == ["evaluating before training (held out)", "train", "final evaluation (held out)", "train"]
+    with _phase(None, "no bar: nothing to say"):
+        pass

@@ -1,7 +1,8 @@
 """Micro benchmarks: matmul per dtype, memory bandwidth (copy, triad), host<->device copies.
 
 Each result is reported as achieved and as a fraction of the device's physical peak: for the CPU the
-peak `gpuwise devices` derives (nominal clock, so boost can exceed 100 %), for a GPU the catalog's
+peak `gpuwise devices` derives (at the clock the CPU reports, so boost can exceed 100 %: `gpuwise bench` stars
+such a share and says why), for a GPU the catalog's
 dense peak. Timing: warm up, then repeat until ``min_time`` seconds have passed; the best repetition
 counts (the least disturbed by the other tenants of a shared machine).
 """

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 
 def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.0%}"
+    """A share of peak; one above 100 % is starred, and the table's note says why."""
+    return "-" if x is None else f"{x:.0%}" + ("*" if x > 1 else "")
 
 
 def render(con: Console, result: BenchResult | dict) -> None:
@@ -50,6 +51,11 @@ def render(con: Console, result: BenchResult | dict) -> None:
                 _pct(w.fraction_of_peak),
             )
         con.print(t)
+        shares = [m.fraction_of_peak for m in r.matmul.values()] + [w.fraction_of_peak for w in r.workloads.values()]
+        shares += [r.bandwidth.fraction_of_peak, r.host_device.fraction_of_peak if r.host_device else None]
+        if any(x is not None and x > 1 for x in shares):
+            con.print(f"[dim]* above 100 %: the device ran faster than the clock its peak counts ({r.peak.origin}); "
+                      "a CPU's boost clock runs above the one it reports[/]")  # fmt: skip
         if r.peak.bandwidth_origin:
             con.print(f"[dim]bandwidth peak: {r.peak.bandwidth_origin}[/]")
     for target, ratios in (result.speedup or {}).items():

@@ -307,7 +307,7 @@ def _show(job, f: dict, given: bool) -> None:
         ("step time", duration(c.step_s), f"{c.precision}, efficiency {job.efficiency:g}: {job.efficiency_origin}"),
         ("wall time", duration(c.wall_s), f"{job.steps:,} steps x the step time"),
         ("time limit", duration(job.time_limit_s), f["sources"]["time_limit"]),
-        ("GPU-hours", f"{c.gpu_hours:,.3f}", "wall time x GPUs"),
+        ("GPU-hours", f"{c.gpu_hours:,.3f}", f["sources"]["cost"].removesuffix(", x the price")),
         (
             "cost",
             dollars(c.usd) if c.usd is not None else "-",

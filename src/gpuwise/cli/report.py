@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from gpuwise.cli.options import console
+from gpuwise.cli.options import JsonOpt, console, emit
 from gpuwise.errors import GpuwiseError
 
 
@@ -24,6 +24,7 @@ def report(
     out: Annotated[
         Path | None, typer.Option(help="The HTML file [RUN_DIR/report.html, or plan-ID.html / bench-ID.html here].")
     ] = None,
+    json_out: JsonOpt = False,
 ):
     """Write an HTML report with its plots inlined: loss and metric curves, throughput, plan vs actual."""
     # here, not at the top: `gpuwise --help` and the other commands start without it
@@ -37,6 +38,7 @@ def report(
         if not run_dir.is_dir():
             raise GpuwiseError(f"{run_dir}: not a directory (a finished `gpuwise train` run is expected)")
         page, target = html.run_report(run_dir), out or run_dir / "report.html"
+        figures = {"kind": "run", "run_dir": str(run_dir), **html.run_figures(run_dir)} if json_out else {}
     else:
         record_id = plan if plan is not None else bench
         assert record_id is not None  # one of --plan/--bench, checked above
@@ -46,11 +48,18 @@ def report(
             raise GpuwiseError(f"record #{record_id} is a {record['kind']}, not a {kind}")
         try:
             page = html.plan_report(record) if kind == "plan" else html.bench_report(record)
+            drawn: dict = {}
+            if json_out:
+                drawn = html.plan_figures(record) if kind == "plan" else {"rows": html.bench_rows(record)}
         except html.DAMAGED as e:
             raise GpuwiseError(f"record #{record_id} is damaged ({html.damaged(e)})") from None
         target = out or Path(f"{kind}-{record_id}.html")
+        figures = {"kind": kind, "record_id": record_id, **drawn}
     try:
         target.write_text(page, encoding="utf-8")
     except OSError as e:  # under a file, a directory of that name, no permission, a full disk
         raise GpuwiseError(f"cannot write the report {target}: {e.strerror}") from None
-    console.print(f"wrote {target}")
+    if json_out:
+        emit({"report": str(target), **figures})
+    else:
+        console.print(f"wrote {target}")

@@ -30,10 +30,16 @@ def _headline(r: dict[str, Any]) -> str:
     if isinstance(result, TrainSummary):
         ev = {k: v for k, v in result.eval.items() if isinstance(v, int | float) and k not in ("n", "users")}
         first = next(iter(ev.items()), None)
-        return f"{result.steps} steps" + (f", {first[0]} {first[1]:.4g}" if first else "")
+        line = f"{result.steps} steps" + (f", {first[0]} {first[1]:.4g}" if first else "")
+        base = result.baseline.metrics.get(first[0]) if first else None
+        if isinstance(base, int | float):  # a result means little without what guessing scores
+            line += f" ({result.baseline.name or 'baseline'} {base:.4g})"
+        if result.wall_s:
+            line += f", {result.wall_s:,.0f} s"
+        return line
     if isinstance(result, PlanResult):
         hours = result.compute.gpu_hours if result.compute else 0
-        return f"{result.gpus} x {result.gpu}, fits {result.fits}, {hours:,.1f} GPU-h"
+        return f"{result.task}: {result.gpus} x {result.gpu}, fits {result.fits}, {hours:,.1f} GPU-h"
     if isinstance(result, LaunchRecord):
         # here, not at the top: `gpuwise --help` and the other commands start without it
         from gpuwise.launch.status import headline

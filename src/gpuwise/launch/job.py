@@ -54,7 +54,8 @@ class Choice:
     fits: bool
     step_s: float
     wall_s: float  # training steps only
-    gpu_hours: float
+    billed_s: float  # what the GPUs are held, and billed, for: the training, start-up and end (STARTUP_S)
+    gpu_hours: float  # billed
     usd: float | None
     price: dict | None  # provider, usd_per_gpu_hour, kind, as_of, source
     precision: str
@@ -141,6 +142,7 @@ class Job:
             "global_batch": self.global_batch,
             "step_time_s": c.step_s,
             "wall_s": c.wall_s,
+            "billed_s": c.billed_s,
             "time_limit_s": self.time_limit_s,
             "gpu_hours": c.gpu_hours,
             "cost_usd": c.usd,
@@ -153,6 +155,8 @@ class Job:
             "method": self.method,
             "sources": {
                 "time_limit": f"{TIME_MARGIN.origin}; {STARTUP_S.origin}",
+                "cost": f"GPU-hours billed: the planned training + {STARTUP_S.value / 60:g} min ({STARTUP_S.origin}), "
+                "x GPUs, x the price",
                 "cpus": CPUS_PER_GPU.origin,
                 "host_memory": HOST_MEMORY.origin,
             },
@@ -425,7 +429,9 @@ def _choose(
         n_nodes, per_node = layout(acc, world, nodes)
         step_s = cpu_step_s if cpu_step_s and acc.kind != "gpu" else step_flops / (peak * 1e12 * eff)
         wall = steps * step_s
-        hours = wall / 3600 * world
+        # the GPUs are held, and billed, from start-up to the last checkpoint: the training is not all of it
+        billed = wall + STARTUP_S.value
+        hours = billed / 3600 * world
         on_cpu = acc.kind != "gpu"
         price = None if on_cpu else _price(catalog, acc, provider)
         usd = hours * price["usd_per_gpu_hour"] if price else None
@@ -441,6 +447,7 @@ def _choose(
                 memory <= acc.mem_bytes,
                 step_s,
                 wall,
+                billed,
                 hours,
                 usd,
                 price,

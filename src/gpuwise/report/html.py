@@ -150,6 +150,16 @@ def damaged(e: Exception) -> str:
     return f"no '{e.args[0]}'" if isinstance(e, KeyError) else f"a value of the wrong kind: {first_line(e)}"
 
 
+def run_figures(run_dir: Path) -> dict[str, Any]:
+    """What a run's page draws: its summary and its metrics, line by line; `report RUN --json` prints it."""
+    summary, rows = _read_run(run_dir)
+    try:
+        TrainSummary.load(summary)
+    except DAMAGED as e:
+        raise GpuwiseError(f"{run_dir}: not what gpuwise train writes ({damaged(e)})") from None
+    return {"summary": summary, "metrics": rows}
+
+
 def run_report(run_dir: Path) -> str:
     summary, rows = _read_run(run_dir)
     try:
@@ -224,7 +234,9 @@ def pareto_front(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return front
 
 
-def plan_report(record: dict[str, Any]) -> str:
+def plan_figures(record: dict[str, Any]) -> dict[str, Any]:
+    """What a plan's page draws: every priced option that fits (its hours and cheapest dollars) and the Pareto
+    front of them; `report --plan ID --json` prints it."""
     if record["data"].get("traced"):  # one step on fake tensors: no job to price
         raise GpuwiseError(f"plan #{record['id']} has no priced option that fits: nothing to draw")
     d = PlanResult.load(record["data"])
@@ -237,15 +249,30 @@ def plan_report(record: dict[str, Any]) -> str:
             )
     if not points:
         raise GpuwiseError(f"plan #{record['id']} has no priced option that fits: nothing to draw")
-    front = pareto_front(points)
-    title = f"{d.model.name} {d.task}: cost against time, every priced option that fits"
+    return {"model": d.model.name, "task": d.task, "points": points, "front": pareto_front(points)}
+
+
+def plan_report(record: dict[str, Any]) -> str:
+    f = plan_figures(record)
+    title = f"{f['model']} {f['task']}: cost against time, every priced option that fits"
     return _page(
         "plan.html",
-        f"gpuwise plan: {d.model.name} {d.task}",
-        figure=_figure(plots.pareto(points, front, title), "Pareto front"),
-        front=[[p["label"], p["hours"], p["usd"], p["provider"]] for p in front],
+        f"gpuwise plan: {f['model']} {f['task']}",
+        figure=_figure(plots.pareto(f["points"], f["front"], title), "Pareto front"),
+        front=[[p["label"], p["hours"], p["usd"], p["provider"]] for p in f["front"]],
         record=record,
     )
+
+
+def bench_rows(record: dict[str, Any]) -> list[list[Any]]:
+    """A bench's figures as its page lists them: [device, test, achieved, unit, share of peak]."""
+    d = BenchResult.load(record["data"])
+    rows: list[list[Any]] = []
+    for dev, r in d.devices.items():
+        rows += [[dev, f"matmul {k}", m.tflops * 1e3, "GFLOP/s", m.fraction_of_peak] for k, m in r.matmul.items()]
+        rows.append([dev, "bandwidth triad", r.bandwidth.triad_gbs, "GB/s", r.bandwidth.fraction_of_peak])
+        rows += [[dev, f"{k} step", w.samples_per_s, "samples/s", w.fraction_of_peak] for k, w in r.workloads.items()]
+    return rows
 
 
 def bench_report(record: dict[str, Any]) -> str:
@@ -254,15 +281,10 @@ def bench_report(record: dict[str, Any]) -> str:
     d = BenchResult.load(record["data"])
     with tempfile.TemporaryDirectory() as tmp:
         png = draw(d.dump(), Path(tmp) / "bench.png").read_bytes()
-    rows: list[list[Any]] = []
-    for dev, r in d.devices.items():
-        rows += [[dev, f"matmul {k}", m.tflops * 1e3, "GFLOP/s", m.fraction_of_peak] for k, m in r.matmul.items()]
-        rows.append([dev, "bandwidth triad", r.bandwidth.triad_gbs, "GB/s", r.bandwidth.fraction_of_peak])
-        rows += [[dev, f"{k} step", w.samples_per_s, "samples/s", w.fraction_of_peak] for k, w in r.workloads.items()]
     return _page(
         "bench.html",
         f"gpuwise bench #{record['id']} ({d.size})",
         figure=_figure(png, "bench bars"),
-        rows=rows,
+        rows=bench_rows(record),
         projected=bool(d.projections),
     )

@@ -8,6 +8,7 @@ torchrun/SLURM environments, and collective checkpoint save/load.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -67,19 +68,23 @@ def make_fabric(cfg: TrainConfig):
 
         plugins.append(TorchElasticEnvironment())
     try:
-        fabric = Fabric(
-            accelerator=accelerator,
-            devices=cfg.devices,
-            num_nodes=cfg.num_nodes,
-            # A str to the type checker, but TrainConfig.validate allows only PRECISIONS, each one Fabric takes.
-            precision=cast("_PRECISION_INPUT", precision),
-            # FSDP through Fabric's FSDP2 strategy, data-parallel only (tensor parallel 1); the
-            # checkpoint is then sharded: each process writes its own part, none gathers the model.
-            strategy=ModelParallelStrategy(fully_shard_model, cfg.devices * cfg.num_nodes, 1)
-            if strategy == "fsdp"
-            else strategy,
-            plugins=plugins or None,
-        )
+        with warnings.catch_warnings():
+            # gpuwise decides how its processes start (docs/launch.md): Lightning's hint to prepend `srun`, given
+            # wherever Slurm is installed, is noise to its users
+            warnings.filterwarnings("ignore", message="The `srun` command is available on your system")
+            fabric = Fabric(
+                accelerator=accelerator,
+                devices=cfg.devices,
+                num_nodes=cfg.num_nodes,
+                # A str to the type checker, but TrainConfig.validate allows only PRECISIONS, each one Fabric takes.
+                precision=cast("_PRECISION_INPUT", precision),
+                # FSDP through Fabric's FSDP2 strategy, data-parallel only (tensor parallel 1); the
+                # checkpoint is then sharded: each process writes its own part, none gathers the model.
+                strategy=ModelParallelStrategy(fully_shard_model, cfg.devices * cfg.num_nodes, 1)
+                if strategy == "fsdp"
+                else strategy,
+                plugins=plugins or None,
+            )
     except (ValueError, RuntimeError) as e:  # Fabric's refusals: 16-mixed under FSDP, more devices than exist, ...
         raise GpuwiseError(
             f"{accelerator} x {cfg.devices}, {precision}, {strategy}: {str(e).splitlines()[0]}"

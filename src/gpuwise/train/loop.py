@@ -65,20 +65,42 @@ def _scalars(metrics: dict) -> dict:
 
 
 def _progress(console, total: int, start: int):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
+    # One bar for the whole run: it names the phase (an evaluation on held-out data can take minutes) and its
+    # clock keeps running through it.
     bar = Progress(
-        TextColumn("[bold]train"),
+        TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("loss {task.fields[loss]:.4f}"),
         TextColumn("{task.fields[sps]:,.0f} samples/s"),
+        TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=console,
         transient=False,
     )
     bar.start()
     return bar, bar.add_task("train", total=total, completed=start, loss=float("nan"), sps=0.0)
+
+
+@contextlib.contextmanager
+def _phase(bar, what: str):
+    """The bar names `what` while it runs, then `train` again."""
+    if bar:
+        bar[0].update(bar[1], description=what)
+    try:
+        yield
+    finally:
+        if bar:
+            bar[0].update(bar[1], description="train")
 
 
 def train(cfg: TrainConfig, resume_dir: Path | None = None, console=None) -> dict | None:
@@ -175,7 +197,10 @@ def _train(run: Run, plan: RunPlan, progress: setup.Progress, console) -> dict |
     lay, fabric = run.layout, run.fabric
     meters = Meters(run)
     bar = _progress(console, lay.total, progress.step) if fabric.is_global_zero and console and lay.total else None
-    before = _evaluate(run, meters, 0) if run.work.eval_before and progress.step == 0 else None
+    before = None
+    if run.work.eval_before and progress.step == 0:
+        with _phase(bar, "evaluating before training (held out)"):
+            before = _evaluate(run, meters, 0)
     stop, inject, loss = StopFlag(), fit.OOMInjector(), float("nan")
     try:
         while progress.step < lay.total:
@@ -191,7 +216,8 @@ def _train(run: Run, plan: RunPlan, progress: setup.Progress, console) -> dict |
             meters.took(progress.step - 1, took, lay.accelerator)
             _log(run, progress, loss, took, bar)
             if lay.cfg.eval_every and progress.step % lay.cfg.eval_every == 0 and progress.step < lay.total:
-                _evaluate(run, meters, progress.step)
+                with _phase(bar, "evaluating (held out)"):
+                    _evaluate(run, meters, progress.step)
             stopping = _stopping(run, stop)
             if progress.step % lay.ckpt_every == 0 or progress.step == lay.total or stopping:
                 _checkpoint(run, progress, meters.started)
@@ -202,9 +228,12 @@ def _train(run: Run, plan: RunPlan, progress: setup.Progress, console) -> dict |
                 raise _stopped(stop, progress.step, run.run_dir)
     finally:
         stop.restore()
-    if bar:
-        bar[0].stop()
-    return _finish(run, plan, progress, meters, loss, before)
+    try:
+        with _phase(bar, "final evaluation (held out)"):
+            return _finish(run, plan, progress, meters, loss, before)
+    finally:
+        if bar:
+            bar[0].stop()
 
 
 def _step(run: Run, progress: setup.Progress, inject: fit.OOMInjector) -> float:

@@ -127,7 +127,8 @@ def _speed(console: Console, s: TrainSummary) -> None:
         mfu = "MFU n/a: torch's FLOP counter sees no matmuls here (embedding lookups and elementwise math only)"
     else:
         mfu = f"MFU n/a: {s.peak_flops.origin}"
-    console.print(f"Speed: {speed}; {mfu}")
+    wall = f"; {s.wall_s:,.0f} s of training, wall clock" if s.wall_s else ""
+    console.print(f"Speed: {speed}; {mfu}{wall}")
 
 
 def _plan_vs_actual(console: Console, s: TrainSummary) -> None:

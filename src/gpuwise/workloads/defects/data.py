@@ -57,7 +57,7 @@ def read_image(path: Path, size: int) -> np.ndarray:
         with Image.open(path) as im:
             im.load()
             return to_grey(im, size)
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         raise GpuwiseError(f"{path}: not a readable image ({type(e).__name__}: {e})") from None
 
 

@@ -57,7 +57,8 @@ def fused_decoder(model, pack: str | None) -> tuple[FusedDecoder | None, str]:
         log.warning("the fused decoder is %.2g off transformers' forward: serving with transformers'", off)
         return None, f"transformers' (the fused one was {off:.1e} off it at load)"
     decoder.release(model)
-    return decoder, f"gpuwise's fused decoder ({off:.1e} from transformers' at load; decode attention: {decoder.why})"
+    agree = f"its logits within {off * 100:.2g} % of transformers' at load, of the largest"
+    return decoder, f"gpuwise's fused decoder ({agree}; decode attention: {decoder.why})"
 
 
 def unsupported(model) -> str | None:
