@@ -37,10 +37,11 @@ def test_every_required_slug_is_in_the_catalog(catalog):
 
 
 def test_every_figure_has_a_source_and_a_date(catalog):
+    """Every price is dated (a year at least): an undated one cannot be said to be stale (issue #50)."""
     for acc in catalog.accelerators.values():
         assert acc.source and acc.as_of, acc.slug
     for price in catalog.cloud + catalog.purchase:
-        assert price.source and price.as_of, price
+        assert price.source and re.fullmatch(r"\d{4}(-\d{2}(-\d{2})?)?", price.as_of), price
 
 
 def test_catalog_matches_the_reference_rows(catalog):
@@ -50,7 +51,7 @@ def test_catalog_matches_the_reference_rows(catalog):
     assert catalog.get("t4").bf16_tflops is None  # Turing: no bf16
     assert [catalog.get(s).name for s in ("t4", "l4", "a10")] == ["NVIDIA T4", "NVIDIA L4", "NVIDIA A10"]
     assert {p.provider: p.usd_per_gpu_hour for p in catalog.prices("h100-sxm")}["Lambda"] == 3.99
-    assert len(catalog.cloud) == 38 and len(catalog.purchase) == 11
+    assert len(catalog.cloud) == 39 and len(catalog.purchase) == 11
 
 
 def test_purchase_price_prefers_a_whole_server(catalog):
