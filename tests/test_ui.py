@@ -349,6 +349,23 @@ def page(launched):
         browser.close()
 
 
+# Every text of every chart inside its chart: a legend, a label or a figure cut at the edge is not read.
+TEXTS_INSIDE = """(sel) => [...document.querySelectorAll(sel)].flatMap((svg) => {
+  const box = svg.getBoundingClientRect();
+  return [...svg.querySelectorAll('text')].filter((t) => {
+    const b = t.getBoundingClientRect();  // as drawn: a rotated axis label too
+    return b.left < box.left - 0.5 || b.right > box.right + 0.5;
+  }).map((t) => `'${t.textContent}' in '${svg.getAttribute('aria-label')}'`);
+})"""
+# Each column's header aligned as its cells are.
+HEADERS_ALIGNED = """(sel) => [...document.querySelectorAll(sel)].flatMap((table) => {
+  const row = table.querySelector('tbody tr');
+  return [...table.querySelectorAll('thead th')].map((th, i) => [th.textContent, getComputedStyle(th).textAlign,
+    row && row.children[i] ? getComputedStyle(row.children[i]).textAlign : null])
+    .filter(([, a, b]) => b !== null && a !== b);
+})"""
+
+
 def shot(page, name: str, tmp_path: Path) -> None:
     for where in [tmp_path] + ([SHOTS] if SHOTS else []):
         where.mkdir(parents=True, exist_ok=True)
@@ -377,9 +394,15 @@ def test_a_person_plans_a_model_in_the_browser(server, page, capsys, tmp_path):
     # an impossible combination: the CLI's line beside the field, no blank page, no trace
     page.fill("input[name=tp]", "3")
     page.wait_for_selector(".err[data-for=tp]:not(:empty)")
-    assert "--tp 3 must divide llama-3.1-8b's 32 attention heads" in page.inner_text(".err[data-for=tp]")
+    # in the form's words: the field's label where the CLI names its flag
+    assert "Tensor parallel 3 must divide llama-3.1-8b's 32 attention heads" in page.inner_text(".err[data-for=tp]")
     page.fill("input[name=tp]", "")
     page.wait_for_selector("#sweep tbody tr")
+    # the fields the assumptions name: an efficiency of one's own is the plan's, as --efficiency is the CLI's
+    page.fill("input[name=efficiency]", "0.3")
+    page.wait_for_function("location.search.includes('efficiency=0.3')")
+    page.wait_for_function(shows, arg=["#assumptions", "efficiency = 0.3: --efficiency"])
+    page.fill("input[name=efficiency]", "")
     # sorting by a column, from the keyboard
     page.focus("#sweep th[data-sort='4']")
     page.keyboard.press("Enter")
@@ -420,7 +443,7 @@ def test_a_person_plans_serving_for_a_traffic_in_the_browser(server, page, capsy
     # bad traffic: the CLI's line beside its field
     page.fill("input[name=rps]", "-2")
     page.wait_for_selector(".err[data-for=rps]:not(:empty)")
-    assert "--rps must be above 0" in page.inner_text(".err[data-for=rps]")
+    assert "Requests/s at the busy hour must be above 0" in page.inner_text(".err[data-for=rps]")
     # back to a training task: its own fields again
     page.select_option("select[name=task]", "qlora")
     page.wait_for_selector("#sweep tbody tr")
@@ -452,6 +475,7 @@ def test_a_person_sets_two_runs_side_by_side(server, page, tmp_path):
     assert loss.count() == 2  # one line per run on the same axes
     assert "lr" in page.inner_text("#configdiff") and "max_steps" in page.inner_text("#configdiff")
     assert "accuracy" in page.inner_text("#comparetable")
+    assert page.evaluate(TEXTS_INSIDE, "#comparecurves svg") == []  # the legends too
     shot(page, "ui-compare.png", tmp_path)
 
 
@@ -462,6 +486,7 @@ def test_a_person_chats_with_a_served_model_and_drops_an_image_on_another(
     page.goto(f"{server}/?page=models")
     page.wait_for_selector("#endpoints tbody tr")
     assert page.locator("#servable td", has_text="gpuwise serve").count() >= 2  # the two runs
+    assert page.evaluate(HEADERS_ALIGNED, "#servable, #endpoints") == []
     # a chat reply streams in, the same text as the endpoint's own greedy answer
     ask = {
         "model": "product-lm",
@@ -500,3 +525,22 @@ def test_a_tab_without_the_token_is_asked_for_it_and_works_once_given(launched, 
         fresh.wait_for_selector("#runstable tbody tr")
     finally:
         fresh.close()
+
+
+@pytest.mark.slow
+def test_the_bench_page_shows_every_figure_and_says_why_one_is_above_100_percent(server, page, finished_run):
+    """A CPU's boost runs above the clock its peak counts: the bar's figure, 141 %, is shown whole beside it, and
+    the caption says why; the peak's long derivation goes under the chart, not off its edge (issue #50)."""
+    from test_results import BENCH
+
+    from gpuwise.runs import db
+
+    boosted = json.loads(json.dumps(BENCH))
+    boosted["devices"]["cpu"]["matmul"]["fp32"]["fraction_of_peak"] = 1.41
+    db.record("bench", "cpu:AMD EPYC", "bench", boosted, path=finished_run.parents[1] / "runs.sqlite")  # the ui's
+    page.goto(f"{server}/?page=bench")
+    page.wait_for_selector("#benchout svg")
+    assert "141 %" in page.text_content("#benchout svg >> nth=0")
+    caption = page.inner_text("#benchout figcaption >> nth=0")
+    assert "2 cores x 32 FP32 FLOP/cycle" in caption and "above 100 %" in caption
+    assert page.evaluate(TEXTS_INSIDE, "#benchout svg") == []
