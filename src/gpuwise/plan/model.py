@@ -393,9 +393,9 @@ def from_hub(repo: str) -> ModelSpec:
             note = f"{repo}: planned as the preset {name} ({origin}), whose dimensions it has"
             return replace(ModelSpec(name=name, **preset), notes="; ".join(filter(None, [note, preset.get("notes")])))
     raise GpuwiseError(
-        f"'{repo}' (a Hugging Face hub id) is neither in the local hub cache ({constants.HF_HUB_CACHE}) nor a "
-        f"preset's model, and gpuwise plan downloads nothing: fetch its config.json (`hf download {repo} "
-        "config.json`) and pass that path, or give a preset or dimensions"
+        f"'{repo}' is no file here, and as a Hugging Face hub id it is neither in the local hub cache "
+        f"({constants.HF_HUB_CACHE}) nor a preset's model, and gpuwise plan downloads nothing: fetch its "
+        f"config.json (`hf download {repo} config.json`) and pass that path, or give a preset or dimensions"
     )
 
 
