@@ -147,6 +147,10 @@ def killed_is_one_line(engine: Engine, runs: list[tuple[str, str]], label: str) 
     with Server(runs, engine=engine) as c:
         health = c.get("/health")
         assert health.status_code == 503 and health.json()["error"]["message"] == server.died
+        # the orchestrator's probe: not ready, and not why (that is behind the key, on /health)
+        ready = c.get("/readyz")
+        assert (ready.status_code, ready.json()) == (503, {"status": "not ready"})
+        assert c.get("/livez").status_code == 200
         r = c.post("/v1/completions", json={"model": runs[0][0], "prompt": "x", "max_tokens": 4})
         assert r.status_code == 503 and f"the {label} engine exited" in r.json()["error"]["message"]
 

@@ -140,6 +140,27 @@ def test_api_key_is_required_on_every_request(runs):
         assert c.get("/v1/info", headers={"Authorization": "Bearer s3cret"}).status_code == 200
 
 
+def test_the_probe_paths_need_no_key_nor_host_and_say_one_word(runs):
+    """Kubernetes' and SkyServe's probes carry no key and a pod's address as Host (issue #51): /livez and /readyz
+    answer them, and say nothing else; everything else stays behind the key and the Host rule."""
+    with Server(runs["recommender"], api_key="s3cret", host="0.0.0.0", allowed_hosts=["api.example"]) as c:
+        pod = {"Host": "10.1.2.3:8000"}
+        live, ready = c.get("/livez", headers=pod), c.get("/readyz", headers=pod)
+        assert (live.status_code, live.json()) == (200, {"status": "live"})
+        assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
+        assert ready.headers["cache-control"] == "no-store" and "s3cret" not in ready.text
+        assert c.head("/readyz", headers=pod).status_code == 200
+        assert c.post("/readyz", headers=pod).status_code == 405
+        assert c.get("/health", headers=pod).status_code == 401  # the rest: behind the key
+        assert c.get("/livez/../health", headers=pod).status_code != 200  # not a way around them
+        metrics = c.get("/metrics", headers={"Host": "api.example", "X-API-Key": "s3cret"}).text
+        assert 'endpoint="probe",status="200"' in metrics
+    with Server(runs["recommender"]) as c:  # no key, on loopback: the Host rule guards the rest
+        rebound = {"Host": "evil.example"}
+        assert c.get("/health", headers=rebound).status_code >= 400
+        assert c.get("/readyz", headers=rebound).json() == {"status": "ready"}
+
+
 @pytest.mark.parametrize("workload", ["defects", "recommender"])
 def test_onnx_runtime_serves_what_torch_serves(runs, workload, tmp_path):
     import shutil

@@ -75,6 +75,10 @@ def _error(status: int, message: str, **headers) -> JSONResponse:
 
 
 _BEARER = {"WWW-Authenticate": "Bearer"}
+# The orchestrator's probes (Kubernetes' httpGet, SkyServe's readiness_probe) carry no key and a Host of a pod's
+# address: these two paths answer before the Host and key checks, and say nothing but whether the server is up
+# and whether its engine can answer (docs/reliability.md, "Probes").
+LIVE, READY = "/livez", "/readyz"
 
 
 class _Refused(Exception):
@@ -121,6 +125,7 @@ class Guard:
         cookie: bytes | None = None,
         open_path: Callable[[str], bool] | None = None,
         forwards: Callable[[str], bool] | None = None,
+        ready: Callable[[], bool] | None = None,
         unauthorized: str = "missing or wrong API key (X-API-Key or Authorization: Bearer)",
     ):
         self.app, self.limits, self.metrics, self.cors = app, limits, metrics, cors
@@ -132,6 +137,7 @@ class Guard:
         self.cookie, self.unauthorized = cookie, unauthorized
         self.open_path = open_path or (lambda _: False)
         self.forwards = forwards or (lambda _: False)
+        self.ready = ready  # None: no probe paths (the ui)
 
     def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
         assert self.key is not None  # __call__ asks only when a key is set
@@ -149,6 +155,9 @@ class Guard:
             await self.error(code, message, headers)(scope, receive, send)
 
         path = scope.get("path", "")
+        if self.ready is not None and path in (LIVE, READY):
+            code = await self._probe(path, scope, send)
+            return self._count(scope, start, code, "probe")
         # Which page sent it, before the key: a rebinding page learns nothing, not even that a key is asked.
         web = self.web.refusal(scope, self.forwards(path))
         if web is not None:
@@ -207,6 +216,19 @@ class Guard:
                 await reply(500, "internal error (logged by the server)")
         self._count(scope, start, status)
 
+    async def _probe(self, path: str, scope, send) -> int:
+        """200 or 503 and one word: nothing of the model, the engine's error or the server's settings."""
+        if scope.get("method") not in ("GET", "HEAD"):
+            code, body = 405, {"status": "GET or HEAD"}
+        elif path == LIVE:
+            code, body = 200, {"status": "live"}
+        else:
+            up = self.ready is not None and self.ready()
+            code, body = (200, {"status": "ready"}) if up else (503, {"status": "not ready"})
+        response = JSONResponse(body, status_code=code, headers={"Cache-Control": "no-store"})
+        await response(scope, _no_body, send)
+        return code
+
     def _count(self, scope, start: float, status: int, endpoint: str | None = None) -> None:
         if self.metrics is None:  # the ui keeps no metrics
             return
@@ -215,6 +237,10 @@ class Guard:
         self.metrics.requests.labels(endpoint, str(status)).inc()
         if endpoint != "any":  # refused before any route: counted, not timed (as the 401 always was)
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+
+
+async def _no_body():
+    return {"type": "http.request", "body": b"", "more_body": False}
 
 
 def _trained(run_dir: str) -> TrainSummary | None:
@@ -316,7 +342,11 @@ def create_app(served, settings: Settings, run_id: str, precision: str, on_stop=
     web = WebPolicy(
         settings.host, allowed_hosts(settings.allowed_hosts), tuple(settings.cors_origins), bool(settings.api_key)
     )
-    return Guard(app, settings.api_key, limits, metrics, cors=bool(settings.cors_origins), web=web)
+
+    def ready() -> bool:
+        return (served.health() if hasattr(served, "health") else None) is None
+
+    return Guard(app, settings.api_key, limits, metrics, cors=bool(settings.cors_origins), web=web, ready=ready)
 
 
 def _unavailable_app(max_connections: int):
