@@ -393,3 +393,17 @@ def test_what_needs_no_model_is_checked_before_the_model_is_built(catalog, tmp_p
     with pytest.raises(GpuwiseError, match="global batch 7 must be divisible by the 2 processes"):
         plan_job(args, catalog, gpu="h100-sxm", gpus=2, run_dir=str(tmp_path / "run"))
     assert "planning product-lm" not in capsys.readouterr().err  # the workload was never built
+
+
+@pytest.mark.slow
+def test_a_ray_endpoint_serves_the_openai_client_and_stops_draining(ray_cluster, tmp_path, capsys, monkeypatch):
+    from test_launch_endpoint import SMOL, answers_and_drains
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GPUWISE_API_KEY", raising=False)
+    assert main(["launch", "ray", "--gpu", "cpu", "--submit", "--address", ray_cluster, "--python", sys.executable,
+                 "--run-dir", str(tmp_path / "endpoint"), "--json", "--", "serve", SMOL, "--max-seqs", "4",
+                 "--no-record"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    answers_and_drains(out["record_id"], Path(out["artifact"]), capsys, monkeypatch)
+    wait_for(out["record_id"], {"STOPPED"}, timeout=120)

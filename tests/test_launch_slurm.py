@@ -124,3 +124,19 @@ def test_a_layout_the_cluster_cannot_hold_is_refused_before_submitting(slurm, da
     after = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True).stdout
     assert after == before  # nothing submitted
     assert not list(tmp_path.glob("gpuwise-*"))  # nor written
+
+
+@pytest.mark.slow
+def test_an_endpoint_serves_the_openai_client_and_scancel_drains_it(slurm, tmp_path, capsys, monkeypatch):
+    from test_launch_endpoint import SMOL, answers_and_drains
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GPUWISE_API_KEY", raising=False)
+    assert main(["launch", "slurm", "--gpu", "cpu", "--submit", "--run-dir", str(tmp_path / "endpoint"), "--json",
+                 "--", "serve", SMOL, "--max-seqs", "4", "--no-record"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert "--api-key-file" in out["text"] and "unset GPUWISE_API_KEY" in out["text"]
+    answers_and_drains(out["record_id"], Path(out["artifact"]), capsys, monkeypatch)
+    assert main(["runs"]) == 0
+    listed = capsys.readouterr().out
+    assert f"slurm endpoint {out['job_id']}:" in listed and "1 replica;" in listed

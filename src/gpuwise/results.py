@@ -557,9 +557,11 @@ class LaunchRecord(Result):
     engine: str = Field(description="slurm, ray, skypilot or k8s")
     job_id: str = Field(description="the job's id on the engine (Slurm job id, Ray submission id, name)")
     name: str = Field(description="the job's name on the engine")
-    workload: str = Field(description="the workload the job trains")
+    workload: str = Field(description="the workload the job trains, or the model an endpoint serves")
     run_dir: str = Field(description="the run directory, as the launching machine sees it")
     artifact: str = Field(description="the file handed to the engine")
-    command: list[str] = Field(description="the gpuwise train command each node runs for a fresh run")
+    command: list[str] = Field(
+        description="the gpuwise train command each node runs for a fresh run, or the serve command of each replica"
+    )
     plan: dict[str, Any] = Field(description="the figures the job was sized by (gpuwise launch prints them)")
     engine_options: dict[str, Any] = Field(default_factory=dict, description="what the engine needs to find the job")

@@ -108,8 +108,9 @@ def chat(
         str,
         typer.Argument(
             metavar="MODEL_OR_URL",
-            help="A trained language-model run, a named base, a .gguf file, a model directory, or the URL of a server "
-            "that speaks the OpenAI API (http://127.0.0.1:8000).",
+            help="A trained language-model run, a named base, a .gguf file, a model directory, the URL of a server "
+            "that speaks the OpenAI API (http://127.0.0.1:8000), or the record id of an endpoint `gpuwise launch` "
+            "started (gpuwise runs lists them).",
         ),
     ],
     system: Annotated[str | None, typer.Option(help="A system message that opens the conversation.")] = None,
@@ -123,6 +124,12 @@ def chat(
 
     Example: gpuwise chat smollm2-135m-instruct"""
     remote = target.startswith(("http://", "https://"))
+    if target.isdigit() and not Path(target).exists():  # a launched endpoint, by its record id
+        # here, not at the top: `gpuwise --help` and the other commands start without it
+        from gpuwise.launch.status import endpoint_of
+
+        target, found_key = endpoint_of(int(target))
+        api_key, remote = api_key or found_key, True
     name, reply = _remote(target, api_key, model) if remote else _local(target)
     messages: list[dict] = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()

@@ -49,6 +49,18 @@ ALLOWED_HOST_HELP = (
 )
 
 
+def read_key_file(path: Path) -> str:
+    """The key in a file's first line, as one line when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise GpuwiseError(f"--api-key-file {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if not key:
+        raise GpuwiseError(f"--api-key-file {path}: its first line is empty")
+    return key
+
+
 def _check_port_free(host: str, port: int) -> None:
     """uvicorn logs a failed bind and exits; one line here instead."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -170,6 +182,22 @@ CorsOriginOpt = Annotated[
     ),
 ]
 
+ApiKeyFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="A file holding the key (its first line), instead of --api-key: neither the process list nor the "
+        "environment shows it. How `gpuwise launch -- serve` hands a replica its key."
+    ),
+]
+
+AnnounceOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Once listening, write where this server answers (JSON: url, host, port, pid) to this file; removed "
+        "when it stops. How a launched endpoint's record learns its address (with --port 0, the port the OS chose)."
+    ),
+]
+
 GraceOpt = Annotated[float, typer.Option(min=0, max=86400, help="Seconds in-flight requests get after SIGTERM.")]
 ThreadsOpt = Annotated[
     int | None,
@@ -186,12 +214,13 @@ def serve(
     run_dir: RunDirArg = None,
     model: ModelOpt = None,
     host: Annotated[str, typer.Option(help=HOST_HELP)] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port.")] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port; 0: any free one (see --announce).")] = 8000,
     allowed_host: Annotated[list[str] | None, typer.Option(metavar="NAME", help=ALLOWED_HOST_HELP)] = None,
     max_batch: MaxBatchOpt = 32,
     max_wait_ms: Annotated[float, typer.Option(min=0, max=10_000, help="How long a pass waits for more items.")] = 5.0,
     runtime: Annotated[str, typer.Option(help="torch, or onnx (after `gpuwise export`).")] = "torch",
     api_key: ApiKeyOpt = None,
+    api_key_file: ApiKeyFileOpt = None,
     timeout: Annotated[float, typer.Option(min=0.001, max=86400, help="Seconds a request may take.")] = 30.0,
     read_timeout: ReadTimeoutOpt = 30.0,
     max_connections: MaxConnectionsOpt = 256,
@@ -211,6 +240,7 @@ def serve(
     cors_origin: CorsOriginOpt = None,
     grace: GraceOpt = 30.0,
     threads: ThreadsOpt = None,
+    announce: AnnounceOpt = None,
     record: Annotated[
         bool,
         typer.Option(
@@ -246,9 +276,7 @@ def serve(
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
         os.environ[OWN_ONLY] = "OMP_WAIT_POLICY"
     # here, not at the top: `gpuwise --help` and the other commands start without them
-    import uvicorn
-
-    from gpuwise.serve.app import Settings, create_app, server_config
+    from gpuwise.serve.app import Settings, create_app, run_server, server_config
     from gpuwise.serve.engines.choose import choose_engine
     from gpuwise.serve.hosts import allowed_hosts
     from gpuwise.serve.llm.core import LLM
@@ -262,9 +290,16 @@ def serve(
             raise GpuwiseError(f"{flag} must be a number, not nan")
     if runtime not in ("torch", "onnx"):
         raise GpuwiseError(f"--runtime {runtime}: choose torch or onnx")
+    if api_key_file is not None:
+        if api_key is not None:
+            raise GpuwiseError("give the key once: --api-key (or GPUWISE_API_KEY) or --api-key-file, not both")
+        api_key = read_key_file(api_key_file)
     check_key(host, api_key, "the model")
     allowed_hosts(allowed_host)  # a bad name is one line now, not after the model loads
-    _check_port_free(host, port)
+    if port:
+        _check_port_free(host, port)
+    if announce is not None and not announce.parent.is_dir():
+        raise GpuwiseError(f"--announce {announce}: its folder does not exist")
     limits = Limits(
         max_body_bytes=int(max_body_mb * 2**20),
         max_k=max_k,
@@ -311,7 +346,7 @@ def serve(
             console.print(goodput_line, markup=False, highlight=False)
     # uvicorn handles SIGTERM/SIGINT: it stops accepting, lets in-flight requests finish (up to
     # --grace seconds), then runs the app's shutdown.
-    uvicorn.Server(server_config(asgi, host, port, limits, grace)).run()
+    run_server(server_config(asgi, host, port, limits, grace), announce, "/v1" if llm is not None else "")
 
 
 def _startup_plan(llm, name: str, engine: str):

@@ -32,8 +32,9 @@ def ui(
     endpoint: Annotated[
         list[str] | None,
         typer.Option(
-            metavar="URL",
-            help="A running `gpuwise serve` (its URL, e.g. http://127.0.0.1:8000), repeatable: the Models page "
+            metavar="URL|ID",
+            help="A running `gpuwise serve` (its URL, e.g. http://127.0.0.1:8000), or the record id of an endpoint "
+            "`gpuwise launch` started (its address and key from the record), repeatable: the Models page "
             "chats with its language models and sends images to its image model, through this server.",
         ),
     ] = None,

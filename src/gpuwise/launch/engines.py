@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuwise.errors import GpuwiseError
+from gpuwise.launch.endpoint import Endpoint
 from gpuwise.launch.job import Job
 
 CLIENT_TIMEOUT_S = 120  # one call of an engine's client (sbatch, kubectl apply, ...)
@@ -40,6 +41,9 @@ class Options:
     pvc: str | None = None  # Kubernetes: an existing claim for the run directory (else one is created)
     pvc_size_gib: int = 100
     storage_class: str | None = None
+    key_secret: str | None = None  # Kubernetes: an existing Secret holding the endpoint's key (key "api-key")
+    port: int = 0  # an endpoint's port: on Slurm and Ray 0 (any free one, announced); on k8s, SkyPilot 8000
+    time_limit_s: int | None = None  # an endpoint's time limit where the engine has one (Slurm) [the partition's]
 
 
 class Engine(ABC):
@@ -70,6 +74,24 @@ class Engine(ABC):
     @abstractmethod
     def state(self, job_id: str, data: dict) -> str:
         """The job's state as the engine names it (PENDING, RUNNING, COMPLETED, FAILED, ...)."""
+
+    # An endpoint (`gpuwise launch ENGINE -- serve MODEL`): each engine renders, submits and stops its own.
+    def check_endpoint(self, ep: Endpoint, opts: Options) -> None:
+        if self.names is not None and ep.accelerator == "cuda":
+            engine_name(self.names, ep.gpu, ep.gpu_name, self.title, self.name_hint)
+
+    def preflight_endpoint(self, ep: Endpoint, opts: Options) -> None:
+        self.need_client()
+
+    def render_endpoint(self, ep: Endpoint, opts: Options) -> str:
+        raise GpuwiseError(f"{self.name} cannot run an endpoint yet")
+
+    def submit_endpoint(self, artifact: Path, ep: Endpoint, opts: Options) -> str:
+        raise GpuwiseError(f"{self.name} cannot run an endpoint yet")
+
+    @abstractmethod
+    def stop(self, job_id: str, data: dict) -> str:
+        """End the job (an endpoint drains its in-flight requests first); what the engine said."""
 
     def need_client(self) -> str:
         found = shutil.which(self.client)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gpuwise import __version__
 from gpuwise.errors import GpuwiseError
+from gpuwise.launch.endpoint import DRAIN_S, KEY_NAME, PORT, PROBE_PATHS, Endpoint
 from gpuwise.launch.engines import K8S_PRODUCT, STATE_TIMEOUT_S, Engine, Options, dump_yaml, run_client
 from gpuwise.launch.job import SHUTDOWN_GRACE_S, Job
 
@@ -124,9 +125,139 @@ class Kubernetes(Engine):
         run_client([kubectl, *ns, "apply", "-f", str(artifact)], "kubectl apply")
         return job.name
 
+    # --- an endpoint: a Deployment of its replicas, a Service in front, an HPA where it may grow -------------
+
+    def secret_name(self, ep: Endpoint, opts: Options) -> str:
+        return opts.key_secret or f"{ep.name}-key"
+
+    def endpoint_manifests(self, ep: Endpoint, opts: Options) -> list[dict]:
+        labels = {"app.kubernetes.io/name": "gpuwise", "gpuwise/endpoint": ep.name}
+        meta = {"name": ep.name, "labels": labels} | ({"namespace": opts.namespace} if opts.namespace else {})
+        port = opts.port or PORT
+        limits: dict = {"cpu": str(ep.cpus), "memory": f"{ep.mem_gib}Gi"}
+        selector: dict = {}
+        if ep.accelerator == "cuda":
+            limits["nvidia.com/gpu"] = ep.gpus
+            selector["nvidia.com/gpu.product"] = K8S_PRODUCT[ep.gpu]
+        probe = lambda path, period, failures: {  # noqa: E731
+            "httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures}
+        container = {
+            "name": "serve",
+            "image": opts.image or f"gpuwise:{__version__}",
+            "command": [opts.python, "-m", "gpuwise", *ep.serve_command(host="0.0.0.0", port=port)],
+            # The key from the Secret: never in this file, nor in the container's command line.
+            "env": [{"name": "GPUWISE_API_KEY",
+                     "valueFrom": {"secretKeyRef": {"name": self.secret_name(ep, opts), "key": KEY_NAME}}}],
+            "ports": [{"containerPort": port, "name": "http"}],
+            "resources": {"limits": limits, "requests": limits},
+            # Loading a model takes minutes: the liveness probe waits for the startup probe, up to 30 min.
+            "startupProbe": probe(PROBE_PATHS["live"], 10, 180),
+            "livenessProbe": probe(PROBE_PATHS["live"], 10, 3),
+            "readinessProbe": probe(PROBE_PATHS["ready"], 5, 2),
+            # The Service stops sending new requests before TERM arrives: endpoints update within seconds.
+            "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
+            "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
+        }
+        pod = {
+            "metadata": {"labels": labels},
+            "spec": {
+                # preStop's 5 s, then serve --grace to drain, then a margin before KILL
+                "terminationGracePeriodSeconds": 5 + DRAIN_S + 10,
+                **({"nodeSelector": selector} if selector else {}),
+                "containers": [container],
+                "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{SHM_GIB}Gi"}}],
+            },
+        }
+        docs = [
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": meta,
+                "spec": {
+                    "replicas": ep.replicas,
+                    "selector": {"matchLabels": {"gpuwise/endpoint": ep.name}},
+                    # one new replica before an old one goes: the endpoint keeps its capacity through a rollout
+                    "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                    "template": pod,
+                },
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": meta,
+                "spec": {
+                    "selector": {"gpuwise/endpoint": ep.name},
+                    "ports": [{"name": "http", "port": 80, "targetPort": "http"}],
+                },
+            },
+        ]
+        if ep.max_replicas > ep.replicas:
+            # Running sequences per replica, from gpuwise's /metrics through a custom-metrics adapter
+            # (prometheus-adapter; docs/launch.md): above the concurrency the serving plan expects a replica to
+            # run at the traffic, another replica; without a plan, half of serve's --max-seqs.
+            target = ep.figures.get("concurrency_per_replica") or max(1, int((ep.figures.get("max_seqs") or 32) // 2))
+            docs.append(
+                {
+                    "apiVersion": "autoscaling/v2",
+                    "kind": "HorizontalPodAutoscaler",
+                    "metadata": meta,
+                    "spec": {
+                        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": ep.name},
+                        "minReplicas": ep.replicas,
+                        "maxReplicas": ep.max_replicas,
+                        "metrics": [{"type": "Pods", "pods": {
+                            "metric": {"name": "gpuwise_num_requests_running"},
+                            "target": {"type": "AverageValue", "averageValue": str(target)}}}],
+                    },
+                }
+            )  # fmt: skip
+        return docs
+
+    def render_endpoint(self, ep: Endpoint, opts: Options) -> str:
+        secret = self.secret_name(ep, opts)
+        made = "" if opts.key_secret else f" (--submit creates it from the key file; or kubectl create secret " \
+            f"generic {secret} --from-file={KEY_NAME}=FILE)"
+        return (f"# {ep.headline()}\n# kubectl apply -f this file; the key is the Secret {secret}, key {KEY_NAME}"
+                f"{made}\n" + dump_yaml(self.endpoint_manifests(ep, opts)))  # fmt: skip
+
+    def preflight_endpoint(self, ep: Endpoint, opts: Options) -> None:
+        if not opts.image:
+            raise GpuwiseError("--submit to Kubernetes needs --image: a container image with gpuwise installed")
+        self.need_client()
+
+    def submit_endpoint(self, artifact: Path, ep: Endpoint, opts: Options) -> str:
+        kubectl = self.need_client()
+        ns = ["-n", opts.namespace] if opts.namespace else []
+        if not opts.key_secret:  # from the file: the key goes by its path, never on a command line
+            run_client([kubectl, *ns, "create", "secret", "generic", self.secret_name(ep, opts),
+                        f"--from-file={KEY_NAME}={ep.key_file}"], "kubectl create secret")  # fmt: skip
+        run_client([kubectl, *ns, "apply", "-f", str(artifact)], "kubectl apply")
+        return ep.name
+
+    def stop(self, job_id: str, data: dict) -> str:
+        kubectl = self.need_client()
+        ns = ["-n", data["namespace"]] if data.get("namespace") else []
+        if data.get("endpoint"):
+            kinds = "deployment,service,hpa"
+            run_client([kubectl, *ns, "delete", kinds, "-l", f"gpuwise/endpoint={job_id}"], "kubectl delete")
+            if not data.get("key_secret"):
+                run_client([kubectl, *ns, "delete", "secret", f"{job_id}-key", "--ignore-not-found"], "kubectl delete")
+            return f"kubectl delete {kinds} of {job_id}: each pod leaves the Service, then drains on TERM"
+        run_client([kubectl, *ns, "delete", "job", job_id], "kubectl delete job")
+        return f"kubectl delete job {job_id}: each pod writes its checkpoint on TERM"
+
     def state(self, job_id: str, data: dict) -> str:
         kubectl = self.need_client()
         ns = ["-n", data["namespace"]] if data.get("namespace") else []
+        if data.get("endpoint"):
+            out = run_client([kubectl, *ns, "get", "deployment", job_id, "-o", "json"], "kubectl get deployment",
+                             timeout=STATE_TIMEOUT_S)  # fmt: skip
+            try:
+                status = json.loads(out).get("status", {})
+            except (ValueError, AttributeError):
+                raise GpuwiseError(f"kubectl get deployment {job_id}: not the JSON of a Deployment") from None
+            ready, want = status.get("readyReplicas", 0), status.get("replicas", 0)
+            return f"{'READY' if want and ready == want else 'STARTING'} {ready}/{want}"
         out = run_client([kubectl, *ns, "get", "job", job_id, "-o", "json"], "kubectl get job", timeout=STATE_TIMEOUT_S)
         try:
             status = json.loads(out).get("status", {})

@@ -17,6 +17,7 @@ from typing import Any
 
 import gpuwise
 from gpuwise.errors import GpuwiseError, first_line
+from gpuwise.launch.endpoint import DRAIN_S, Endpoint
 from gpuwise.launch.engines import RAY_NAME, STATE_TIMEOUT_S, Engine, Options
 from gpuwise.launch.job import Job
 
@@ -86,9 +87,11 @@ class Ray(Engine):
         self._check_cluster(address, job)
 
     def submit(self, artifact: Path, job: Job, opts: Options) -> str:
-        client = _client(address_of(opts))
-        spec = json.loads(artifact.read_text())
         Path(job.run_dir).parent.mkdir(parents=True, exist_ok=True)
+        return self._submit(json.loads(artifact.read_text()), opts)
+
+    def _submit(self, spec: dict, opts: Options) -> str:
+        client = _client(address_of(opts))
         deadline = time.monotonic() + AGENT_WAIT_S
         while True:
             try:
@@ -121,6 +124,59 @@ class Ray(Engine):
                 f"the Ray cluster at {address} has {len(fit)} of the {job.choice.nodes} nodes the job needs, each "
                 f"with {want} (its nodes: {shown or 'none alive'}); pass --gpus/--nodes/--cpus-per-node that fit"
             )
+
+    # --- an endpoint: a job whose driver (gpuwise.launch.ray_serve) runs one `gpuwise serve` per replica ------
+
+    def endpoint_spec(self, ep: Endpoint, opts: Options) -> dict[str, Any]:
+        layout = ["--replicas", str(ep.replicas), "--cpus", str(ep.cpus), "--run-dir", ep.run_dir]
+        if ep.accelerator == "cuda":
+            layout += ["--gpus", str(ep.gpus), "--accelerator-type", RAY_NAME[ep.gpu]]
+        return {
+            "submission_id": ep.name,
+            "entrypoint": shlex.join([opts.python, "-m", "gpuwise.launch.ray_serve", *layout, "--",
+                                      *ep.serve_command(host="0.0.0.0", port=opts.port)]),  # fmt: skip
+            # RAY_JOB_STOP_WAIT_TIME_S: how long `ray job stop` lets the driver have its servers drain before it
+            # kills the job (Ray's default, 3 s, would cut streams mid-answer)
+            "runtime_env": {"py_modules": [str(Path(gpuwise.__file__).parent)],
+                            "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(DRAIN_S + 15)}},  # fmt: skip
+            "entrypoint_num_cpus": 0,
+            "metadata": {"gpuwise_endpoint": ep.model, "gpuwise_run_dir": ep.run_dir},
+        }
+
+    def render_endpoint(self, ep: Endpoint, opts: Options) -> str:
+        return json.dumps(self.endpoint_spec(ep, opts), indent=2) + "\n"
+
+    def preflight_endpoint(self, ep: Endpoint, opts: Options) -> None:
+        address = address_of(opts)
+        _client(address)
+        from ray.util.state import list_nodes
+
+        from gpuwise.launch.ray_nodes import bundle_of
+
+        try:
+            alive = [n for n in list_nodes(address=address, timeout=STATE_TIMEOUT_S, detail=True) if n.state == "ALIVE"]
+        except Exception as e:  # noqa: BLE001
+            raise GpuwiseError(f"cannot list the Ray cluster's nodes at {address}: {first_line(e)}") from None
+        want = bundle_of(ep.cpus, ep.gpus, RAY_NAME.get(ep.gpu) if ep.accelerator == "cuda" else None)
+        fit = sum(min(int((n.resources_total or {}).get(k, 0) // v) for k, v in want.items() if v >= 1) for n in alive)
+        if fit < ep.replicas:
+            raise GpuwiseError(
+                f"the Ray cluster at {address} holds {fit} of the {ep.replicas} replicas of {want} the endpoint needs; "
+                "pass --replicas/--gpus/--cpus-per-node that fit"
+            )
+
+    def submit_endpoint(self, artifact: Path, ep: Endpoint, opts: Options) -> str:
+        Path(ep.run_dir).mkdir(parents=True, exist_ok=True)
+        return self._submit(json.loads(artifact.read_text()), opts)
+
+    def stop(self, job_id: str, data: dict) -> str:
+        address = data.get("address") or DEFAULT_ADDRESS
+        _reachable(address)
+        try:
+            _client(address).stop_job(job_id)
+        except Exception as e:  # noqa: BLE001
+            raise GpuwiseError(f"Ray: {first_line(e)}") from None
+        return f"ray job stop {job_id}: the driver ends; each server gets TERM and drains its in-flight requests"
 
     def state(self, job_id: str, data: dict) -> str:
         address = data.get("address") or DEFAULT_ADDRESS

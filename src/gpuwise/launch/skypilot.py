@@ -14,6 +14,7 @@ from pathlib import Path
 import gpuwise
 from gpuwise import __version__
 from gpuwise.errors import GpuwiseError
+from gpuwise.launch.endpoint import PORT, PROBE_PATHS, Endpoint
 from gpuwise.launch.engines import SKY_NAME, STATE_TIMEOUT_S, Engine, Options, dump_yaml, run_client
 from gpuwise.launch.job import Job
 
@@ -131,8 +132,74 @@ class SkyPilot(Engine):
                        timeout=PROVISION_TIMEOUT_S)  # fmt: skip
         return job.name
 
+    # --- an endpoint: a SkyServe service (`sky serve up`), its replicas behind SkyPilot's load balancer -------
+
+    def check_endpoint(self, ep: Endpoint, opts: Options) -> None:
+        if ep.accelerator != "cuda":
+            raise GpuwiseError("SkyPilot rents GPU nodes: give --gpu (a CPU endpoint runs on Slurm, Ray or k8s)")
+        super().check_endpoint(ep, opts)
+
+    def service(self, ep: Endpoint, opts: Options) -> dict:
+        port = opts.port or PORT
+        policy: dict = {"min_replicas": ep.replicas}
+        if ep.max_replicas > ep.replicas:
+            policy["max_replicas"] = ep.max_replicas
+            # SkyServe adds a replica when the requests a replica gets exceed what the plan says it holds
+            # at the targets (its goodput), and removes one below it.
+            if ep.figures.get("goodput_per_replica"):
+                policy["target_qps_per_replica"] = round(float(ep.figures["goodput_per_replica"]), 4)
+        task: dict = {
+            "name": ep.name,
+            "service": {
+                # no key needed: serve/app.py answers the probe paths before the key check
+                "readiness_probe": {"path": PROBE_PATHS["ready"], "initial_delay_seconds": PROVISION_TIMEOUT_S},
+                "replica_policy": policy,
+            },
+            "resources": {"accelerators": f"{SKY_NAME[ep.gpu]}:{ep.gpus}", "ports": port, "disk_size": 256,
+                          "use_spot": opts.spot},  # fmt: skip
+            # the key's value is given at `sky serve up --secret GPUWISE_API_KEY`, from the environment
+            "secrets": {"GPUWISE_API_KEY": None},
+        }
+        tree = source_tree()
+        if tree is not None:
+            task["workdir"] = str(tree)
+        task["setup"] = opts.setup or default_setup()
+        import shlex
+
+        task["run"] = shlex.join([opts.python, "-m", "gpuwise", *ep.serve_command(host="0.0.0.0", port=port)])
+        return task
+
+    def render_endpoint(self, ep: Endpoint, opts: Options) -> str:
+        head = (f"# {ep.headline()}\n# GPUWISE_API_KEY=... sky serve up -n {ep.name} this-file --secret "
+                "GPUWISE_API_KEY\n")  # fmt: skip
+        return head + dump_yaml([self.service(ep, opts)])
+
+    def submit_endpoint(self, artifact: Path, ep: Endpoint, opts: Options) -> str:
+        import os
+
+        sky = self.need_client()
+        key = Path(ep.key_file).read_text().splitlines()[0] if ep.key_file else ""
+        run_client([sky, "serve", "up", "-y", "-n", ep.name, str(artifact), "--secret", "GPUWISE_API_KEY"],
+                   "sky serve up", timeout=PROVISION_TIMEOUT_S, env=dict(os.environ, GPUWISE_API_KEY=key))  # fmt: skip
+        return ep.name
+
+    def stop(self, job_id: str, data: dict) -> str:
+        sky = self.need_client()
+        if data.get("endpoint"):
+            run_client([sky, "serve", "down", "-y", job_id], "sky serve down", timeout=PROVISION_TIMEOUT_S)
+            return f"sky serve down {job_id}"
+        if data.get("managed"):
+            run_client([sky, "jobs", "cancel", "-y", "-n", job_id], "sky jobs cancel", timeout=PROVISION_TIMEOUT_S)
+            return f"sky jobs cancel -n {job_id}"
+        run_client([sky, "down", "-y", job_id], "sky down", timeout=PROVISION_TIMEOUT_S)
+        return f"sky down {job_id}"
+
     def state(self, job_id: str, data: dict) -> str:
         sky = self.need_client()
+        if data.get("endpoint"):
+            out = run_client([sky, "serve", "status", job_id], "sky serve status", timeout=STATE_TIMEOUT_S)
+            found = re.search(r"\b(CONTROLLER_INIT|REPLICA_INIT|NO_REPLICA|READY|SHUTTING_DOWN|FAILED\w*)\b", out)
+            return found.group(1) if found else "UNKNOWN"
         if data.get("managed"):
             out = run_client([sky, "jobs", "queue"], "sky jobs queue", timeout=STATE_TIMEOUT_S)
         else:

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from gpuwise.errors import GpuwiseError
+from gpuwise.launch.endpoint import DRAIN_S, Endpoint
 from gpuwise.launch.engines import STATE_TIMEOUT_S, Engine, Options, run_client
 from gpuwise.launch.job import SHUTDOWN_GRACE_S, Job
 
@@ -117,3 +118,77 @@ class Slurm(Engine):
         found = re.search(r"JobState=(\S+)", out)
         return found.group(1) if found else "UNKNOWN"
 
+
+    # --- an endpoint: `gpuwise serve` in the batch shell's place, on the allocated node -----------------------
+
+    def check_endpoint(self, ep: Endpoint, opts: Options) -> None:
+        super().check_endpoint(ep, opts)
+        if any(ch.isspace() or ch == "%" for ch in ep.run_dir):
+            raise GpuwiseError(f"--run-dir {ep.run_dir}: Slurm's --output cannot hold a space or '%'; choose another")
+
+    def drain_s(self) -> int:
+        """serve --grace within the cluster's KillWait (the seconds between scancel's TERM and its KILL), asked
+        of scontrol where it answers; else within Slurm's default."""
+        try:
+            out = run_client(["scontrol", "show", "config"], "scontrol", timeout=STATE_TIMEOUT_S)
+        except GpuwiseError:
+            return DRAIN_S
+        found = re.search(r"^KillWait\s*=\s*(\d+)", out, re.M)
+        return max(1, min(DRAIN_S, int(found.group(1)) - 3)) if found else DRAIN_S
+
+    def render_endpoint(self, ep: Endpoint, opts: Options) -> str:
+        run = Path(ep.run_dir)
+        array = ep.replicas > 1
+        log = run / ("slurm-%A_%a.out" if array else "slurm-%j.out")
+        gpus = f"{opts.gres_type}:{ep.gpus}" if opts.gres_type else str(ep.gpus)
+        grace = self.drain_s()
+        # The replica's own address file: Slurm sets the array index in the job's environment.
+        announce = f"{run}/replica-${{SLURM_ARRAY_TASK_ID:-0}}.json"
+        serve = ep.serve_command(host="0.0.0.0", port=opts.port)
+        serve[serve.index("--grace") + 1] = str(grace)
+        import shlex
+
+        lines = [
+            "#!/bin/bash",
+            f"# {ep.headline()}",
+            "# sbatch this file. The replica announces its address in its file beside the log; scancel drains it:",
+            f"# Slurm sends TERM, the server finishes its in-flight requests within {grace} s, inside KillWait.",
+            f"#SBATCH --job-name={ep.name}",
+            "#SBATCH --nodes=1",
+            "#SBATCH --ntasks=1",
+            *([f"#SBATCH --gpus-per-node={gpus}"] if ep.accelerator == "cuda" else []),
+            f"#SBATCH --cpus-per-task={ep.cpus}",
+            f"#SBATCH --mem={ep.mem_gib}G",
+            *([f"#SBATCH --time={hms(opts.time_limit_s)}"] if opts.time_limit_s else []),
+            *([f"#SBATCH --array=0-{ep.replicas - 1}"] if array else []),
+            f"#SBATCH --output={log}",
+            *(f"#SBATCH --{k}={v}" for k, v in (("partition", opts.partition), ("account", opts.account),
+                                                 ("qos", opts.qos)) if v),  # fmt: skip
+            "",
+            "set -euo pipefail",
+            "unset GPUWISE_API_KEY  # sbatch passes the submitting shell's environment on: the key file decides",
+            # exec: the server is the job's process, so scancel's TERM reaches it and nothing else
+            f'exec {shlex.join([opts.python, "-m", "gpuwise", *serve])} --announce "{announce}"',
+            "",
+        ]
+        return "\n".join(lines)
+
+    def preflight_endpoint(self, ep: Endpoint, opts: Options) -> None:
+        sbatch = self.need_client()
+        run_client([sbatch, "--test-only"], "Slurm cannot run the endpoint", input=self.render_endpoint(ep, opts))
+
+    def submit_endpoint(self, artifact: Path, ep: Endpoint, opts: Options) -> str:
+        sbatch = self.need_client()
+        Path(ep.run_dir).mkdir(parents=True, exist_ok=True)
+        out = run_client([sbatch, "--parsable", str(artifact)], "sbatch refused the endpoint")
+        job_id = out.strip().split(";")[0]
+        if not re.fullmatch(r"\d+", job_id):
+            raise GpuwiseError(f"sbatch answered '{out.strip()[:80]}', not a job id")
+        return job_id
+
+    def stop(self, job_id: str, data: dict) -> str:
+        # scancel: TERM to the job's processes (the server drains), KILL after KillWait
+        run_client(["scancel", job_id], "scancel")
+        if data.get("endpoint"):
+            return f"scancel {job_id}: Slurm sent TERM; each server drains its in-flight requests, then exits"
+        return f"scancel {job_id}: Slurm sent TERM; torchrun's processes end their step and write a checkpoint"

@@ -35,6 +35,12 @@ def status(record: LaunchRecord) -> dict[str, Any]:
 
         state = f"unknown ({e if isinstance(e, GpuwiseError) else first_line(e)})"
     out: dict[str, Any] = {"state": state}
+    if record.engine_options.get("endpoint"):  # where its replicas answer: what they announced, or the engine's
+        try:
+            out["addresses"] = endpoint_urls(record)
+        except Exception as e:  # noqa: BLE001 - the engine's client answering oddly: said, the list goes on
+            out["addresses"], out["address_error"] = [], str(e) if isinstance(e, GpuwiseError) else first_line(e)
+        return out
     try:
         summary = summary_of(record.run_dir)
     except GpuwiseError as e:
@@ -51,8 +57,30 @@ def status(record: LaunchRecord) -> dict[str, Any]:
     return out
 
 
+def endpoint_urls(record: LaunchRecord) -> list[str]:
+    """The URLs of an endpoint's replicas (Slurm, Ray: as each announced it), or of the engine's front for them
+    (Kubernetes: the Service's name in the cluster's DNS; SkyPilot: `sky serve status --endpoint`)."""
+    from gpuwise.launch.endpoint import addresses
+
+    if record.engine in ("slurm", "ray"):
+        return [a["url"] for a in addresses(record.run_dir)]
+    if record.engine == "k8s":
+        ns = record.engine_options.get("namespace") or "default"
+        return [f"http://{record.job_id}.{ns}.svc.cluster.local/v1"]
+    engine = engines()["skypilot"]
+    from gpuwise.launch.engines import STATE_TIMEOUT_S, run_client
+
+    out = run_client([engine.need_client(), "serve", "status", "--endpoint", record.job_id], "sky serve status",
+                     timeout=STATE_TIMEOUT_S).strip()  # fmt: skip
+    return [f"{out if '://' in out else 'http://' + out}/v1"] if out else []
+
+
 def headline(record: LaunchRecord) -> str:
     s = status(record)
+    if record.engine_options.get("endpoint"):
+        where = ", ".join(s["addresses"]) or "no address announced"
+        n = record.plan.get("replicas") or record.engine_options.get("replicas") or 1
+        return f"{record.engine} endpoint {record.job_id}: {s['state']}, {n} replica{'s' * (n > 1)}; {where}"
     line = f"{record.engine} job {record.job_id}: {s['state']}"
     if "summary" in s:
         wall, step, _ = s["planned_vs_actual"].values()
@@ -63,3 +91,25 @@ def headline(record: LaunchRecord) -> str:
         line += f"; planned {duration(plan.get('wall_s'))} on {plan.get('gpus_per_node')} x {plan.get('nodes')}"
     return line
 
+
+
+def endpoint_of(record_id: int) -> tuple[str, str | None]:
+    """(URL, key) of a launched endpoint by its record id: how `gpuwise chat ID` and the ui reach it. The key is
+    read from the endpoint's key file (only its owner can read it); none where the engine's secret holds it."""
+    from gpuwise.runs import db
+
+    row = db.get(record_id)
+    rec = db.load_data(row, LaunchRecord) if row["kind"] == "launch" else None
+    if rec is None or not rec.engine_options.get("endpoint"):
+        raise GpuwiseError(f"record #{record_id} is not a launched endpoint (gpuwise runs lists them)")
+    urls = endpoint_urls(rec)
+    if not urls:
+        raise GpuwiseError(f"endpoint #{record_id} ({rec.engine} job {rec.job_id}) has announced no address yet: "
+                           "its replicas are starting, or have stopped (gpuwise runs shows its state)")  # fmt: skip
+    key_file = rec.engine_options.get("key_file")
+    key = None
+    if key_file:
+        from gpuwise.cli.serve import read_key_file
+
+        key = read_key_file(Path(key_file))
+    return urls[0], key

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
@@ -439,3 +440,46 @@ def server_config(app, host: str, port: int, limits: Limits, grace: float = 30.0
         # uvicorn's annotation says int, but it only hands the value to asyncio.wait_for, which takes a float.
         timeout_graceful_shutdown=grace,  # type: ignore[arg-type]
     )
+
+
+def announced_host(host: str) -> str:
+    """The name clients reach a server by: the bound address, or, bound to every interface, the node's name
+    (or GPUWISE_ANNOUNCE_HOST, which a launcher sets to the address its cluster routes: Ray's node IP)."""
+    import os
+    import socket
+
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    return os.environ.get("GPUWISE_ANNOUNCE_HOST") or socket.gethostname()
+
+
+def run_server(config, announce: Path | None = None, base_path: str = "") -> None:
+    """uvicorn's server, which, once it listens, writes where it serves to `announce` (JSON: url, host, port, pid)
+    and removes it when it stops: how a launched endpoint's record learns its address, the port included when
+    the OS chose it (--port 0)."""
+    import json
+    import os
+
+    import uvicorn
+
+    from gpuwise.files import write_atomic
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if announce is None or not self.started:
+                return
+            port = next(iter(s.getsockname()[1] for srv in self.servers for s in srv.sockets), config.port)
+            host = announced_host(config.host)
+            shown = f"[{host}]" if ":" in host else host
+            body = {"url": f"http://{shown}:{port}{base_path}", "host": host, "port": port, "pid": os.getpid(),
+                    "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+            write_atomic(announce, json.dumps(body) + "\n", "address file")
+
+        async def shutdown(self, sockets=None) -> None:
+            if announce is not None:  # no client is sent to a server that is draining
+                with contextlib.suppress(OSError):
+                    announce.unlink()
+            await super().shutdown(sockets)
+
+    Server(config).run()

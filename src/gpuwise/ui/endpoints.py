@@ -1,6 +1,7 @@
 """The Models page: what `gpuwise serve` would serve from here, and the endpoints it serves now.
 
-`gpuwise ui --endpoint URL` (repeatable) names running `gpuwise serve` processes. The page reaches them through
+`gpuwise ui --endpoint URL` (repeatable) names running `gpuwise serve` processes, or, by its record id, an
+endpoint `gpuwise launch -- serve` started (its address and key from the record). The page reaches them through
 this process rather than directly: a serve endpoint answers no other browser origin unless it was started with
 `--cors-origin`, and its API key stays in this process instead of being typed into the page; it is lent to no
 one: a ui that holds it requires a key of its own, or the per-launch token it prints (ui/app.py). Only the paths the
@@ -44,6 +45,13 @@ def parse_endpoints(urls: list[str], key: str | None) -> list[Endpoint]:
     out = []
     for url in urls:
         url = url.strip().rstrip("/")
+        if url.isdigit():  # a launched endpoint, by its record id: its address and its key from the record
+            # here, not at the top: the ui starts without the engines' modules
+            from gpuwise.launch.status import endpoint_of
+
+            found, found_key = endpoint_of(int(url))
+            out.append(Endpoint(found.removesuffix("/v1"), key or found_key))
+            continue
         if url.endswith("/v1"):  # the OpenAI base URL a user may have at hand
             url = url[:-3]
         if not url.startswith(("http://", "https://")) or len(url.split("//", 1)[1]) == 0:
