@@ -269,7 +269,7 @@ def endpoint_has_address(record_id: int) -> bool:
 
 
 def test_serve_takes_its_key_from_a_file_and_refuses_before_loading(capsys, tmp_path, key_file):
-    from gpuwise.cli.serve import read_key_file
+    from gpuwise.files import read_key_file
 
     path, key = key_file
     assert read_key_file(path) == key  # its first line, without the newline
@@ -281,3 +281,43 @@ def test_serve_takes_its_key_from_a_file_and_refuses_before_loading(capsys, tmp_
         assert main(["serve", SMOL, "--host", "0.0.0.0", "--port", "0", *argv]) != 0
         err = capsys.readouterr().err.strip()
         assert words in err and len(err.splitlines()) == 1, err
+
+
+def fake_client(where: Path, name: str, answer: str = "") -> Path:
+    """A stand-in for an engine's client on PATH: it logs its arguments and GPUWISE_API_KEY, and answers."""
+    where.mkdir(exist_ok=True)
+    script = where / name
+    script.write_text(f'#!/bin/sh\necho "$0 $* | env=${{GPUWISE_API_KEY:-}}" >> {where}/calls\nprintf "{answer}"\n')
+    script.chmod(0o755)
+    return where / "calls"
+
+
+@pytest.mark.parametrize("engine", ["k8s", "skypilot"])
+def test_submit_hands_the_key_by_file_or_environment_never_by_argument(capsys, tmp_path, monkeypatch, key_file,
+                                                                       engine):  # fmt: skip
+    """kubectl and sky are not here: stand-ins log what gpuwise hands them. The key reaches the Secret by its
+    file's path, SkyPilot by the environment of `sky serve up`; --stop ends the endpoint through the same client."""
+    path, key = key_file
+    bin_dir = tmp_path / "bin"
+    calls = fake_client(bin_dir, "kubectl" if engine == "k8s" else "sky")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+    extra = ["--image", "registry/gpuwise:1"] if engine == "k8s" else []
+    assert main(["launch", engine, "--gpu", "l4", "--submit", "--api-key-file", str(path), *extra, "--json", "--",
+                 "serve", SMOL]) == 0, capsys.readouterr().err  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    logged = calls.read_text().splitlines()
+    assert all(key not in line.split(" | ")[0] for line in logged)  # never an argument
+    name = out["job_id"]  # the endpoint's name on the engine
+    if engine == "k8s":
+        assert f"create secret generic {name}-key --from-file=api-key={path.resolve()}" in logged[0]
+        assert f"apply -f {out['artifact']}" in logged[1]
+    else:
+        assert f"serve up -y -n {name}" in logged[0] and "--secret GPUWISE_API_KEY" in logged[0]
+        assert logged[0].endswith(f"env={key}")  # the value, from sky's environment
+    assert main(["launch", "--stop", str(out["record_id"])]) == 0
+    stop = calls.read_text().splitlines()[len(logged):]
+    if engine == "k8s":
+        assert f"delete deployment,service,hpa -l gpuwise/endpoint={name}" in stop[0] and "delete secret" in stop[1]
+    else:
+        assert f"serve down -y {name}" in stop[0]

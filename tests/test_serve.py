@@ -449,7 +449,7 @@ def test_a_chunked_body_over_the_limit_is_a_413(runs, endpoint):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["serve", "RUN", "--port", "0"], "--port"),
+    (["serve", "RUN", "--port", "-1"], "--port"),
     (["serve", "RUN", "--port", "70000"], "--port"),
     (["serve", "RUN", "--timeout", "nan"], "--timeout"),
     (["serve", "RUN", "--max-body-mb", "inf"], "--max-body-mb"),

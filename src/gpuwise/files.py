@@ -218,3 +218,18 @@ def finite(data):
 def to_json(data, indent: int | None = None) -> str:
     """Standard JSON, the one way gpuwise writes it (stdout, the record, bench.json)."""
     return json.dumps(finite(data), indent=indent, default=str, allow_nan=False)
+
+
+def read_key_file(path: Path) -> str:
+    """An API key from a file's first line (serve --api-key-file, a launched endpoint's key), as one line when it
+    cannot be read."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read for ever
+            raise GpuwiseError(f"--api-key-file {path}: not a regular file")
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise GpuwiseError(f"--api-key-file {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if not key:
+        raise GpuwiseError(f"--api-key-file {path}: its first line is empty")
+    return key

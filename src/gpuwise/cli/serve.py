@@ -49,18 +49,6 @@ ALLOWED_HOST_HELP = (
 )
 
 
-def read_key_file(path: Path) -> str:
-    """The key in a file's first line, as one line when it cannot be read."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            key = f.readline().rstrip("\r\n")
-    except (OSError, UnicodeDecodeError) as e:
-        raise GpuwiseError(f"--api-key-file {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
-    if not key:
-        raise GpuwiseError(f"--api-key-file {path}: its first line is empty")
-    return key
-
-
 def _check_port_free(host: str, port: int) -> None:
     """uvicorn logs a failed bind and exits; one line here instead."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -291,6 +279,8 @@ def serve(
     if runtime not in ("torch", "onnx"):
         raise GpuwiseError(f"--runtime {runtime}: choose torch or onnx")
     if api_key_file is not None:
+        from gpuwise.files import read_key_file
+
         if api_key is not None:
             raise GpuwiseError("give the key once: --api-key (or GPUWISE_API_KEY) or --api-key-file, not both")
         api_key = read_key_file(api_key_file)

@@ -109,7 +109,7 @@ def endpoint_of(record_id: int) -> tuple[str, str | None]:
     key_file = rec.engine_options.get("key_file")
     key = None
     if key_file:
-        from gpuwise.cli.serve import read_key_file
+        from gpuwise.files import read_key_file
 
         key = read_key_file(Path(key_file))
     return urls[0], key
