@@ -407,18 +407,9 @@ def _show(job, f: dict, given: bool) -> None:
 
 def _stop(record_id: int, as_json: bool) -> None:
     # here, not at the top: `gpuwise --help` and the other commands start without it
-    from gpuwise.launch.registry import engines
-    from gpuwise.results import LaunchRecord
-    from gpuwise.runs import db
+    from gpuwise.launch.status import stop
 
-    row = db.get(record_id)
-    if row["kind"] != "launch":
-        raise GpuwiseError(f"record #{record_id} is a {row['kind']}, not a launched job or endpoint")
-    rec = db.load_data(row, LaunchRecord)
-    engine = engines().get(rec.engine)
-    if engine is None:
-        raise GpuwiseError(f"record #{record_id}: unknown engine {rec.engine!r}")
-    said = engine.stop(rec.job_id, rec.engine_options)
+    said, rec = stop(record_id)
     if as_json:
         emit({"record_id": record_id, "engine": rec.engine, "job_id": rec.job_id, "said": said})
     else:

@@ -3,6 +3,7 @@ it, and with --submit handed over with its key and recorded."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,8 +11,16 @@ import typer
 from rich import box
 from rich.table import Table
 
+from gpuwise.cli import serve as serve_cli
 from gpuwise.cli.options import console, emit, load_catalog
 from gpuwise.errors import GpuwiseError
+from gpuwise.files import write_atomic
+from gpuwise.launch.endpoint import key_file_checked, new_key_file, plan_endpoint
+from gpuwise.launch.job import dollars
+from gpuwise.launch.rayjob import address_of
+from gpuwise.plan.traffic import targets, traffic
+from gpuwise.results import LaunchRecord
+from gpuwise.runs import db
 
 # Flags of `gpuwise serve` that an endpoint's launch sets: given after `-- serve` they would contradict it.
 SERVE_SET_BY_LAUNCH = {
@@ -28,8 +37,6 @@ SERVE_SET_BY_LAUNCH = {
 def parse_serve(argv: list[str]) -> tuple[str, tuple[str, ...], dict]:
     """The serve command after `--`: its model, its options as given, and their values, parsed by `gpuwise
     serve`'s own options (a typo is the same error as there)."""
-    # here, not at the top: `gpuwise --help` and the other commands start without it
-    from gpuwise.cli import serve as serve_cli
 
     for arg in argv[1:]:
         flag = arg.split("=", 1)[0]
@@ -60,12 +67,6 @@ def launch_endpoint(chosen, argv, opts, sized, gpu, gpus, nodes, submit, out, ru
                      catalog, as_json, max_cost) -> None:  # fmt: skip
     """`gpuwise launch ENGINE [options] -- serve MODEL [serve options]`: plan the endpoint, write the engine's
     artifact, and with --submit hand it over and record it."""
-    # here, not at the top: `gpuwise --help` and the other commands start without it
-    import os
-
-    from gpuwise.files import write_atomic
-    from gpuwise.launch.endpoint import key_file_checked, new_key_file, plan_endpoint
-    from gpuwise.plan.traffic import targets, traffic
 
     if nodes is not None:
         raise GpuwiseError("--nodes lays out a training job: an endpoint's replica runs on one node (--replicas)")
@@ -123,7 +124,6 @@ def launch_endpoint(chosen, argv, opts, sized, gpu, gpus, nodes, submit, out, ru
 
 def _write_key(path: Path, given: str | None, new_key_file) -> None:
     """The endpoint's key file: GPUWISE_API_KEY's key where it is set, else a new one; only its owner reads it."""
-    import os
 
     try:
         if given is None:
@@ -140,15 +140,11 @@ def _write_key(path: Path, given: str | None, new_key_file) -> None:
 
 
 def _record_endpoint(engine: str, job_id: str, ep, path: Path, opts) -> int | None:
-    # here, not at the top: `gpuwise --help` and the other commands start without it
-    from gpuwise.results import LaunchRecord
-    from gpuwise.runs import db
 
     found: dict = {"endpoint": True, "replicas": ep.replicas}
     if ep.key_file and Path(ep.key_file).is_file():  # its path, for gpuwise chat ID; never the key
         found["key_file"] = ep.key_file
     if engine == "ray":
-        from gpuwise.launch.rayjob import address_of
 
         found["address"] = address_of(opts)
     found |= {"namespace": opts.namespace} if opts.namespace else {}
@@ -160,7 +156,6 @@ def _record_endpoint(engine: str, job_id: str, ep, path: Path, opts) -> int | No
 
 
 def _show_endpoint(ep) -> None:
-    from gpuwise.launch.job import dollars
 
     f, src = ep.figures, ep.figures["sources"]
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"endpoint: {ep.model}", title_justify="left")

@@ -14,6 +14,7 @@ import typer
 
 from gpuwise.cli.options import WorkloadOpt, console, emit
 from gpuwise.errors import GpuwiseError
+from gpuwise.files import read_key_file
 from gpuwise.serve.hosts import is_loopback_name
 
 # serve and ui alike: a client's time to send its headers, and again its body
@@ -279,8 +280,6 @@ def serve(
     if runtime not in ("torch", "onnx"):
         raise GpuwiseError(f"--runtime {runtime}: choose torch or onnx")
     if api_key_file is not None:
-        from gpuwise.files import read_key_file
-
         if api_key is not None:
             raise GpuwiseError("give the key once: --api-key (or GPUWISE_API_KEY) or --api-key-file, not both")
         api_key = read_key_file(api_key_file)

@@ -26,6 +26,10 @@ from gpuwise import __version__
 from gpuwise.errors import GpuwiseError
 from gpuwise.hardware.catalog import Catalog
 from gpuwise.launch.job import _dns, dollars
+from gpuwise.plan.capacity import gpu_replica, hours_per_month, option_costs
+from gpuwise.plan.endpoint import serving_plan
+from gpuwise.plan.memory import BYTES
+from gpuwise.plan.model import resolve_model
 from gpuwise.plan.request import Assumption
 
 # uvicorn's drain after TERM (serve --grace) on an engine that kills a job KillWait seconds after TERM: Slurm's
@@ -141,8 +145,6 @@ def plan_endpoint(
 ) -> Endpoint:
     """The endpoint's layout: the serving plan's for `demand` and `goal` (a Traffic and Targets), else the flags'.
     Everything is refused here, in one line, before an artifact is written."""
-    from gpuwise.plan.model import resolve_model
-
     dtype = params.get("dtype") or "auto"
     precision = dtype if dtype in ("fp32", "bf16", "fp16") else "bf16"
     try:
@@ -162,8 +164,6 @@ def plan_endpoint(
         for flag in ("--engine", "--max-seqs"):
             if any(o.split("=", 1)[0] == flag for o in options):
                 raise GpuwiseError(f"serve {flag} is set by the serving plan when --rps or --users is given: drop it")
-        from gpuwise.plan.endpoint import serving_plan
-
         plan = serving_plan(model, demand, goal, catalog, precision, gpu=gpu)
         options_ = [o for o in plan["options"]
                     if nameable is None or o["gpu"].startswith("cpu") or o["gpu"] in nameable]  # fmt: skip
@@ -210,16 +210,12 @@ def plan_endpoint(
         on_cpu = gpu_slug == "cpu"
         per, reps = (0 if on_cpu else gpus or 1), replicas or 1
         sources["replicas"] = "--replicas" if replicas else "one replica (give --rps or --users to plan them)"
-        if acc is not None and spec is not None:
-            from gpuwise.plan.capacity import gpu_replica
-
-            if gpu_replica(spec, acc, precision, per) is None:
-                need = spec.params * _bytes(precision) / per / 2**30
-                raise GpuwiseError(
-                    f"{spec.name} does not fit {per} x {acc.name}: {need:,.1f} GiB of {precision} weights per GPU "
-                    f"leave no room for a KV cache in {acc.mem_bytes / 2**30:,.0f} GiB; give more --gpus or "
-                    "another --gpu"
-                )
+        if acc is not None and spec is not None and gpu_replica(spec, acc, precision, per) is None:
+            need = spec.params * _bytes(precision) / per / 2**30
+            raise GpuwiseError(
+                f"{spec.name} does not fit {per} x {acc.name}: {need:,.1f} GiB of {precision} weights per GPU "
+                f"leave no room for a KV cache in {acc.mem_bytes / 2**30:,.0f} GiB; give more --gpus or another --gpu"
+            )
         if acc is not None and spec is None:
             figures["memory"] = f"not planned: {unplanned}"
     if on_cpu and gpus:
@@ -233,8 +229,6 @@ def plan_endpoint(
     sources |= {"cpus": "--cpus-per-node" if cpus else (CPU_REPLICA_CORES.origin if on_cpu else CPUS_PER_GPU.origin),
                 "host_memory": "--mem-per-node" if mem_gib else HOST_MEMORY.origin}  # fmt: skip
     if acc is not None:
-        from gpuwise.plan.capacity import hours_per_month, option_costs
-
         costs = option_costs(catalog, acc, per * reps, 24)  # the serving plan's own rows, cheapest first
         costs = [c for c in costs if not rented or c["provider"] != "on-prem"]
         if costs:
@@ -261,15 +255,11 @@ def plan_endpoint(
 
 
 def _bytes(precision: str) -> float:
-    from gpuwise.plan.memory import BYTES
-
     return BYTES[precision]
 
 
 def _cheapest_fit(spec, catalog: Catalog, precision: str, per: int, nameable):
     """The catalog GPU with the lowest hourly price whose memory holds the model with room for a KV cache."""
-    from gpuwise.plan.capacity import gpu_replica
-
     best = None
     for acc in catalog.accelerators.values():
         if acc.kind != "gpu" or (nameable is not None and acc.slug not in nameable):

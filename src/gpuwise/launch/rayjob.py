@@ -151,6 +151,7 @@ class Ray(Engine):
         _client(address)
         from ray.util.state import list_nodes
 
+        # ray, which only a Ray job's driver needs
         from gpuwise.launch.ray_nodes import bundle_of
 
         try:

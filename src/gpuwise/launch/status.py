@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from gpuwise.errors import GpuwiseError, first_line
-from gpuwise.files import read_run_file
+from gpuwise.files import read_key_file, read_run_file
+from gpuwise.launch.endpoint import addresses
+from gpuwise.launch.engines import STATE_TIMEOUT_S, run_client
 from gpuwise.launch.job import duration
 from gpuwise.launch.registry import engines
 from gpuwise.results import LaunchRecord, TrainSummary
+from gpuwise.runs import db
 
 
 def summary_of(run_dir: str) -> TrainSummary | None:
@@ -60,16 +63,12 @@ def status(record: LaunchRecord) -> dict[str, Any]:
 def endpoint_urls(record: LaunchRecord) -> list[str]:
     """The URLs of an endpoint's replicas (Slurm, Ray: as each announced it), or of the engine's front for them
     (Kubernetes: the Service's name in the cluster's DNS; SkyPilot: `sky serve status --endpoint`)."""
-    from gpuwise.launch.endpoint import addresses
-
     if record.engine in ("slurm", "ray"):
         return [a["url"] for a in addresses(record.run_dir)]
     if record.engine == "k8s":
         ns = record.engine_options.get("namespace") or "default"
         return [f"http://{record.job_id}.{ns}.svc.cluster.local/v1"]
     engine = engines()["skypilot"]
-    from gpuwise.launch.engines import STATE_TIMEOUT_S, run_client
-
     out = run_client([engine.need_client(), "serve", "status", "--endpoint", record.job_id], "sky serve status",
                      timeout=STATE_TIMEOUT_S).strip()  # fmt: skip
     return [f"{out if '://' in out else 'http://' + out}/v1"] if out else []
@@ -96,8 +95,6 @@ def headline(record: LaunchRecord) -> str:
 def endpoint_of(record_id: int) -> tuple[str, str | None]:
     """(URL, key) of a launched endpoint by its record id: how `gpuwise chat ID` and the ui reach it. The key is
     read from the endpoint's key file (only its owner can read it); none where the engine's secret holds it."""
-    from gpuwise.runs import db
-
     row = db.get(record_id)
     rec = db.load_data(row, LaunchRecord) if row["kind"] == "launch" else None
     if rec is None or not rec.engine_options.get("endpoint"):
@@ -109,7 +106,17 @@ def endpoint_of(record_id: int) -> tuple[str, str | None]:
     key_file = rec.engine_options.get("key_file")
     key = None
     if key_file:
-        from gpuwise.files import read_key_file
-
         key = read_key_file(Path(key_file))
     return urls[0], key
+
+
+def stop(record_id: int) -> tuple[str, LaunchRecord]:
+    """`gpuwise launch --stop ID`: the recorded job or endpoint ended through its engine's client; what it said."""
+    row = db.get(record_id)
+    if row["kind"] != "launch":
+        raise GpuwiseError(f"record #{record_id} is a {row['kind']}, not a launched job or endpoint")
+    rec = db.load_data(row, LaunchRecord)
+    engine = engines().get(rec.engine)
+    if engine is None:
+        raise GpuwiseError(f"record #{record_id}: unknown engine {rec.engine!r}")
+    return engine.stop(rec.job_id, rec.engine_options), rec

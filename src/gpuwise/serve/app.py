@@ -23,7 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
 from gpuwise.errors import GpuwiseError
-from gpuwise.files import read_run_file
+from gpuwise.files import read_run_file, write_atomic
 from gpuwise.results import TrainSummary
 from gpuwise.serve.batcher import DynamicBatcher, ServeMetrics
 from gpuwise.serve.hosts import WebPolicy, allowed_hosts
@@ -461,8 +461,6 @@ def run_server(config, announce: Path | None = None, base_path: str = "") -> Non
     import os
 
     import uvicorn
-
-    from gpuwise.files import write_atomic
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwise.errors import GpuwiseError
+from gpuwise.launch.status import endpoint_of
 from gpuwise.plan.bases import NAMED_BASES, named_base_path
 from gpuwise.ui.records import run_rows
 
@@ -46,9 +47,6 @@ def parse_endpoints(urls: list[str], key: str | None) -> list[Endpoint]:
     for url in urls:
         url = url.strip().rstrip("/")
         if url.isdigit():  # a launched endpoint, by its record id: its address and its key from the record
-            # here, not at the top: the ui starts without the engines' modules
-            from gpuwise.launch.status import endpoint_of
-
             found, found_key = endpoint_of(int(url))
             out.append(Endpoint(found.removesuffix("/v1"), key or found_key))
             continue
