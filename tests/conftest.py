@@ -44,3 +44,22 @@ def _session_model_cache(tmp_path_factory):
         os.environ.pop("GPUWISE_CACHE", None)
     else:
         os.environ["GPUWISE_CACHE"] = before
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server for the session (started on first use; tests/record_servers.py). PGPASSFILE
+    points at its password file, as a team's would: no URL in a test carries the password."""
+    import os
+
+    from record_servers import Postgres
+
+    server = Postgres()
+    before = os.environ.get("PGPASSFILE")
+    os.environ["PGPASSFILE"] = server.passfile
+    yield server
+    if before is None:
+        os.environ.pop("PGPASSFILE", None)
+    else:
+        os.environ["PGPASSFILE"] = before
+    server.stop()

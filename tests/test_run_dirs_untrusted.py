@@ -352,9 +352,11 @@ def test_a_damaged_record_is_one_line_with_the_way_back_and_plan_still_plans(tmp
     monkeypatch.setenv("GPUWISE_DB", str(path))
     damage(path, table)
     if table == "records":
-        for argv in (["runs"], ["runs", "show", "1"], ["runs", "compare"], ["report", "--plan", "1"]):
+        for argv in (["runs"], ["runs", "compare"]):  # each reads every row
             err = one_line(capsys, argv, f"the run record {path} is damaged (database disk image is malformed)")
             assert f'sqlite3 {path} ".recover" | sqlite3' in err and "https://sqlite.org/recovery.html" in err
+        # a record on a page that is whole is still shown: `runs show` reads its own row only
+        assert main(["runs", "show", "1"]) == 0 and json.loads(capsys.readouterr().out)["name"] == "model-0"
     assert main(["plan", "--model", "tinyllama-1.1b", "--gpu", "a100-80gb", "--json"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["gpu"] == "a100-80gb"

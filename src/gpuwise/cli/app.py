@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -43,13 +42,18 @@ def _main(
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
     db: Annotated[
-        Path | None,
-        typer.Option("--db", help="The run record (SQLite) [user data dir; or GPUWISE_DB].", metavar="FILE"),
+        str | None,
+        typer.Option(
+            "--db",
+            help="The run record: an SQLite file, or a team's postgresql://USER@HOST/DB (the password from "
+            "~/.pgpass, PGPASSFILE or ?service=NAME, as psql) [user data dir; or GPUWISE_DB].",
+            metavar="FILE|URL",
+        ),
     ] = None,
 ):
     """Plan (memory, time, cost per accelerator), inspect this machine, train, bench, and keep the record."""
     if db is not None:
-        os.environ["GPUWISE_DB"] = str(db)  # one switch for every command of this invocation
+        os.environ["GPUWISE_DB"] = db  # one switch for every command of this invocation
 
 
 app.command()(hardware.hardware)

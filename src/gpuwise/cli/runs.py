@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -12,16 +14,25 @@ from gpuwise.cli.options import JsonOpt, console, emit
 from gpuwise.errors import GpuwiseError
 
 app = typer.Typer(
-    help="The record (SQLite) of every plan, bench and run: list, show, compare.",
+    help="The record (SQLite, or a team's PostgreSQL) of every plan, bench and run: list, show, compare, sync, export.",
     no_args_is_help=False,
     rich_markup_mode=None,  # as the main app: "[...]" in help text is text
 )
 
 
+def _db():
+    """The record's module: imported on first use, so `gpuwise --help` and the other commands start
+    without SQLAlchemy."""
+    from gpuwise.runs import db  # here, not at the top: see above
+
+    return db
+
+
 def _headline(r: dict[str, Any]) -> str:
     # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.results import BenchResult, LaunchRecord, PlanResult, TrainSummary
-    from gpuwise.runs import db
+
+    db = _db()
 
     try:
         result = db.typed(r)
@@ -83,14 +94,13 @@ def runs(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """List every recorded plan, bench and training run."""
     if ctx.invoked_subcommand:
         return
-    # here, not at the top: `gpuwise --help` and the other commands start without it
-    from gpuwise.runs import db
+    db = _db()
 
     rows = db.rows()
     if as_json:
         emit([{k: v for k, v in r.items() if k != "data"} for r in rows])
         return
-    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"run record: {db.default_path()}", title_justify="left")
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title=f"run record: {db.where()}", title_justify="left")
     for col in ("id", "kind", "when (UTC)", "device", "name", "result"):
         t.add_column(col)
     for r in rows:
@@ -101,8 +111,7 @@ def runs(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 @app.command()
 def show(record_id: Annotated[int, typer.Argument(help="A record id from `gpuwise runs`.")]) -> None:
     """Everything recorded for one plan, bench or run (its JSON)."""
-    # here, not at the top: `gpuwise --help` and the other commands start without it
-    from gpuwise.runs import db
+    db = _db()
 
     row = db.get(record_id)
     if row["kind"] == "launch":  # the job as it is now: its state, and its summary once it has finished
@@ -117,8 +126,7 @@ def show(record_id: Annotated[int, typer.Argument(help="A record id from `gpuwis
 @app.command()
 def compare(as_json: JsonOpt = False) -> None:
     """The error of every estimate over all recorded training runs: (estimate - actual) / actual."""
-    # here, not at the top: `gpuwise --help` and the other commands start without it
-    from gpuwise.runs import db
+    db = _db()
 
     rows = db.compare()
     if as_json:
@@ -141,3 +149,80 @@ def compare(as_json: JsonOpt = False) -> None:
 
 def _signed(x: float | None) -> str:
     return "-" if x is None else f"{x:+.0%}"
+
+
+@app.command()
+def sync(
+    folders: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            help="Run directories, or folders of them (runs/), whose records could not be written when they "
+            "finished. The user's own pending records are always included.",
+            show_default=False,
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write the records that were kept for later because the record was down (each file removed once in)."""
+    db = _db()
+
+    for folder in folders or []:
+        if not folder.is_dir():
+            raise GpuwiseError(f"{folder}: not a directory (give run directories or the folder holding them)")
+    written, problems = db.sync(list(folders or []))
+    for line in problems:
+        print(f"gpuwise: warning: {line}", file=sys.stderr)
+    if as_json:
+        emit({"written": [{"file": str(f), "record_id": i} for f, i in written], "skipped": problems})
+        return
+    for file, new_id in written:
+        console.print(f"record #{new_id} written to {db.where()} (from {file})")
+    if not written:
+        console.print(f"nothing pending for {db.where()}" + (f"; {len(problems)} file(s) skipped" if problems else ""))
+
+
+@app.command()
+def export(
+    mlflow: Annotated[str, typer.Option(help="The MLflow tracking server (http://HOST:5000).", metavar="URI")],
+    ids: Annotated[
+        list[int] | None, typer.Argument(help="Training record ids [every training run].", show_default=False)
+    ] = None,
+    experiment: Annotated[str, typer.Option(help="The MLflow experiment runs go into.")] = "gpuwise",
+    as_json: JsonOpt = False,
+) -> None:
+    """Training runs as MLflow runs: parameters, metrics per step, plan against actual, artifacts. Runs exported
+    before (same record id, same record) are left as they are."""
+    # here, not at the top: `gpuwise --help` and the other commands start without MLflow's client
+    from gpuwise.report.mlflow import export as to_mlflow
+
+    done = to_mlflow(mlflow, ids or None, experiment)
+    if as_json:
+        emit(done)
+        return
+    for row in done:
+        console.print(f"record #{row['record_id']}: MLflow run {row['mlflow_run_id']} ({row['state']})")
+    if not done:
+        console.print("no training runs in the record")
+
+
+@app.command()
+def migrate(
+    to: Annotated[
+        str | None,
+        typer.Option(
+            help="Copy every record into this (empty) record, ids kept: postgresql://USER@HOST/DB or a file.",
+            metavar="URL",
+        ),
+    ] = None,
+) -> None:
+    """Bring the record to this gpuwise's schema (done on first use anyway), or copy it whole --to another."""
+    db = _db()
+
+    if to is None:
+        console.print(f"{db.where()}: at schema revision {db.migrate()}")
+        return
+    if str(db.where(to)) == str(db.where()):
+        raise GpuwiseError("--to names the record being migrated: give another one")
+    n = db.copy(None, to)
+    console.print(f"{n} records copied from {db.where()} to {db.where(to)}, ids kept; point gpuwise at it with "
+                  "--db or GPUWISE_DB")  # fmt: skip

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -9,7 +11,9 @@ import typer
 from rich.console import Console
 
 from gpuwise.cli.options import JsonOpt, WorkloadOpt, console, emit
-from gpuwise.errors import GpuwiseError
+from gpuwise.errors import GpuwiseError, first_line
+from gpuwise.train.mlflow_live import ENV_VAR as MLFLOW_ENV
+from gpuwise.train.mlflow_live import bare
 from gpuwise.workloads.registry import described
 
 EPILOG = (
@@ -93,6 +97,14 @@ def train(
     resume: Annotated[
         Path | None, typer.Option(help="Continue the run in this directory from its newest whole checkpoint.")
     ] = None,
+    mlflow: Annotated[
+        str | None,
+        typer.Option(
+            help="Also log the run to this MLflow tracking server while it trains (http://HOST:5000): metrics per "
+            "step, then parameters, plan against actual and artifacts; gpuwise's record stays the source of truth.",
+            metavar="URI",
+        ),
+    ] = None,
     confirmed: WorkloadOpt = None,
     as_json: JsonOpt = False,
 ):
@@ -103,6 +115,8 @@ def train(
     from gpuwise.train.report import render
 
     progress_console = Console(stderr=True)
+    if mlflow:
+        os.environ[MLFLOW_ENV] = mlflow  # read by the run's recorder, on rank 0 (torchrun's workers inherit it)
     if resume is not None:
         if workload is not None:
             raise GpuwiseError(
@@ -121,10 +135,24 @@ def train(
         summary = train_run(cfg, console=progress_console)
     if summary is None:  # not rank 0: the first process reports
         return
+    if os.environ.get(MLFLOW_ENV) and summary.get("record_id") is not None:
+        _complete_mlflow(os.environ[MLFLOW_ENV], summary["record_id"])
     if as_json:
         emit(summary)
     else:
         render(console, summary)
+
+
+def _complete_mlflow(uri: str, record_id: int) -> None:
+    """The live MLflow run, completed with what the record holds: a server that went down is one line."""
+    # here, not at the top: only a run logged to MLflow needs it
+    from gpuwise.report.mlflow import export
+
+    try:
+        export(uri, [record_id])
+    except Exception as e:  # noqa: BLE001 - the run is done and recorded; MLflow is only a view of it
+        print(f"gpuwise: warning: MLflow at {bare(uri)}: {first_line(e)}; `gpuwise runs export --mlflow` later",
+              file=sys.stderr)  # fmt: skip
 
 
 def config_of(workload: str, params: dict):

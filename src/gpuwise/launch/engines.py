@@ -7,8 +7,10 @@ script, a Ray job, a SkyPilot task, Kubernetes manifests) and hands it to that e
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import tempfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +115,48 @@ def run_client(argv: list[str], what: str, timeout: float = CLIENT_TIMEOUT_S, **
         said = text.splitlines()[-1][:300]  # clients end with the line that says why
         raise GpuwiseError(f"{what}: {said}")
     return done.stdout
+
+
+# The team's record (runs/db.py), as this shell names it: a launched job writes its run, plan and measured
+# figures there from the node where it runs. The address goes by each engine's own way for secrets or the
+# environment at submit time, never into an artifact: Slurm passes the submitting environment (sbatch's
+# default), Ray's runtime_env env_vars, a Kubernetes Secret, SkyPilot's --secret.
+RECORD_VARS = ("GPUWISE_DB", "PGPASSFILE", "PGSERVICEFILE", "PGSERVICE")  # libpq's own files: paths, no secret
+RECORD_SECRET = "gpuwise-record"  # Kubernetes: the Secret holding the record's URL, key "url"
+
+
+def record_env() -> dict[str, str]:
+    """GPUWISE_DB and libpq's variables, where this shell sets them."""
+    return {k: os.environ[k] for k in RECORD_VARS if os.environ.get(k)}
+
+
+def record_server() -> str | None:
+    """The record's URL when it is a server every node can reach (a file is one machine's: a job elsewhere
+    keeps its own node's record)."""
+    url = os.environ.get("GPUWISE_DB") or ""
+    return url if "://" in url and not url.startswith("sqlite") else None
+
+
+def k8s_record_secret(kubectl: list[str]) -> None:
+    """The Secret gpuwise-record from GPUWISE_DB, made or replaced: its value goes through a file only this
+    user reads, never a command line (kubectl create --dry-run renders it, apply stores it)."""
+    url = record_server()
+    if url is None:
+        return
+    with tempfile.TemporaryDirectory(prefix="gpuwise-record-") as tmp:
+        path = os.path.join(tmp, "url")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(url)
+        manifest = run_client([*kubectl, "create", "secret", "generic", RECORD_SECRET, f"--from-file=url={path}",
+                               "--dry-run=client", "-o", "yaml"], "kubectl create secret")  # fmt: skip
+    run_client([*kubectl, "apply", "-f", "-"], "kubectl apply (the record's Secret)", input=manifest)
+
+
+RECORD_ENV_K8S = [  # the container's GPUWISE_DB, from the Secret when there is one (optional: else its own)
+    {"name": "GPUWISE_DB",
+     "valueFrom": {"secretKeyRef": {"name": RECORD_SECRET, "key": "url", "optional": True}}},  # fmt: skip
+]
 
 
 # Kubernetes: the value NVIDIA's GPU Feature Discovery gives the node label nvidia.com/gpu.product (the

@@ -14,7 +14,16 @@ from pathlib import Path
 from gpuwise import __version__
 from gpuwise.errors import GpuwiseError
 from gpuwise.launch.endpoint import DRAIN_S, KEY_NAME, PORT, PROBE_PATHS, Endpoint
-from gpuwise.launch.engines import K8S_PRODUCT, STATE_TIMEOUT_S, Engine, Options, dump_yaml, run_client
+from gpuwise.launch.engines import (
+    K8S_PRODUCT,
+    RECORD_ENV_K8S,
+    STATE_TIMEOUT_S,
+    Engine,
+    Options,
+    dump_yaml,
+    k8s_record_secret,
+    run_client,
+)
 from gpuwise.launch.job import SHUTDOWN_GRACE_S, Job
 
 MOUNT = "/gpuwise-runs"
@@ -80,6 +89,7 @@ class Kubernetes(Engine):
                         "name": "train",
                         "image": opts.image or f"gpuwise:{__version__}",
                         "command": ["bash", "-c", script],
+                        "env": RECORD_ENV_K8S,
                         "resources": {"limits": limits, "requests": limits},
                         "ports": [{"containerPort": job.rdzv_port, "name": "rendezvous"}],
                         "volumeMounts": [
@@ -122,6 +132,7 @@ class Kubernetes(Engine):
     def submit(self, artifact: Path, job: Job, opts: Options) -> str:
         kubectl = self.need_client()
         ns = ["-n", opts.namespace] if opts.namespace else []
+        k8s_record_secret([kubectl, *ns])
         run_client([kubectl, *ns, "apply", "-f", str(artifact)], "kubectl apply")
         return job.name
 
@@ -147,7 +158,8 @@ class Kubernetes(Engine):
             "command": [opts.python, "-m", "gpuwise", *ep.serve_command(host="0.0.0.0", port=port)],
             # The key from the Secret: never in this file, nor in the container's command line.
             "env": [{"name": "GPUWISE_API_KEY",
-                     "valueFrom": {"secretKeyRef": {"name": self.secret_name(ep, opts), "key": KEY_NAME}}}],
+                     "valueFrom": {"secretKeyRef": {"name": self.secret_name(ep, opts), "key": KEY_NAME}}},
+                    *RECORD_ENV_K8S],
             "ports": [{"containerPort": port, "name": "http"}],
             "resources": {"limits": limits, "requests": limits},
             # Loading a model takes minutes: the liveness probe waits for the startup probe, up to 30 min.
@@ -231,6 +243,7 @@ class Kubernetes(Engine):
         if not opts.key_secret:  # from the file: the key goes by its path, never on a command line
             run_client([kubectl, *ns, "create", "secret", "generic", self.secret_name(ep, opts),
                         f"--from-file={KEY_NAME}={ep.key_file}"], "kubectl create secret")  # fmt: skip
+        k8s_record_secret([kubectl, *ns])
         run_client([kubectl, *ns, "apply", "-f", str(artifact)], "kubectl apply")
         return ep.name
 

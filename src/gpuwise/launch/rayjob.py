@@ -18,7 +18,7 @@ from typing import Any
 import gpuwise
 from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.launch.endpoint import DRAIN_S, Endpoint
-from gpuwise.launch.engines import RAY_NAME, STATE_TIMEOUT_S, Engine, Options
+from gpuwise.launch.engines import RAY_NAME, STATE_TIMEOUT_S, Engine, Options, record_env
 from gpuwise.launch.job import Job
 
 AGENT_WAIT_S = 60
@@ -91,6 +91,9 @@ class Ray(Engine):
         return self._submit(json.loads(artifact.read_text()), opts)
 
     def _submit(self, spec: dict, opts: Options) -> str:
+        # The team's record reaches the job through its runtime_env at submit time, not the artifact.
+        env = spec.get("runtime_env", {}).get("env_vars", {}) | record_env()
+        spec = spec | {"runtime_env": spec.get("runtime_env", {}) | ({"env_vars": env} if env else {})}
         client = _client(address_of(opts))
         deadline = time.monotonic() + AGENT_WAIT_S
         while True:

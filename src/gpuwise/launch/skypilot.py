@@ -15,7 +15,7 @@ import gpuwise
 from gpuwise import __version__
 from gpuwise.errors import GpuwiseError
 from gpuwise.launch.endpoint import PORT, PROBE_PATHS, Endpoint
-from gpuwise.launch.engines import SKY_NAME, STATE_TIMEOUT_S, Engine, Options, dump_yaml, run_client
+from gpuwise.launch.engines import SKY_NAME, STATE_TIMEOUT_S, Engine, Options, dump_yaml, record_server, run_client
 from gpuwise.launch.job import Job
 
 MOUNT = "/gpuwise-runs"  # where the bucket holding the run directories is mounted on every node
@@ -98,6 +98,8 @@ class SkyPilot(Engine):
             "resources": resources,
             "envs": {"GPUWISE_RUN_DIR": run_dir},
         }
+        if record_server():  # the team's record: its URL given at launch by --secret GPUWISE_DB, from the environment
+            task["secrets"] = {"GPUWISE_DB": None}
         tree = source_tree()
         if tree is not None:
             task["workdir"] = str(tree)
@@ -123,12 +125,13 @@ class SkyPilot(Engine):
 
     def submit(self, artifact: Path, job: Job, opts: Options) -> str:
         sky = self.need_client()
+        secret = ["--secret", "GPUWISE_DB"] if record_server() else []  # its value: this shell's GPUWISE_DB
         if opts.managed:
             # -d: return once the job is submitted (the logs would stream until it ends)
-            run_client([sky, "jobs", "launch", "-d", "-y", "-n", job.name, str(artifact)], "sky jobs launch",
-                       timeout=PROVISION_TIMEOUT_S)  # fmt: skip
+            run_client([sky, "jobs", "launch", "-d", "-y", "-n", job.name, str(artifact), *secret],
+                       "sky jobs launch", timeout=PROVISION_TIMEOUT_S)  # fmt: skip
         else:
-            run_client([sky, "launch", "-d", "-y", "-c", job.name, str(artifact)], "sky launch",
+            run_client([sky, "launch", "-d", "-y", "-c", job.name, str(artifact), *secret], "sky launch",
                        timeout=PROVISION_TIMEOUT_S)  # fmt: skip
         return job.name
 
@@ -158,7 +161,7 @@ class SkyPilot(Engine):
             "resources": {"accelerators": f"{SKY_NAME[ep.gpu]}:{ep.gpus}", "ports": port, "disk_size": 256,
                           "use_spot": opts.spot},  # fmt: skip
             # the key's value is given at `sky serve up --secret GPUWISE_API_KEY`, from the environment
-            "secrets": {"GPUWISE_API_KEY": None},
+            "secrets": {"GPUWISE_API_KEY": None} | ({"GPUWISE_DB": None} if record_server() else {}),
         }
         tree = source_tree()
         if tree is not None:
@@ -179,7 +182,8 @@ class SkyPilot(Engine):
 
         sky = self.need_client()
         key = Path(ep.key_file).read_text().splitlines()[0] if ep.key_file else ""
-        run_client([sky, "serve", "up", "-y", "-n", ep.name, str(artifact), "--secret", "GPUWISE_API_KEY"],
+        run_client([sky, "serve", "up", "-y", "-n", ep.name, str(artifact), "--secret", "GPUWISE_API_KEY",
+                    *(["--secret", "GPUWISE_DB"] if record_server() else [])],
                    "sky serve up", timeout=PROVISION_TIMEOUT_S, env=dict(os.environ, GPUWISE_API_KEY=key))  # fmt: skip
         return ep.name
 

@@ -1,9 +1,10 @@
 """What a run leaves behind: config.yaml, metrics.jsonl, TensorBoard events, summary.json; and the claim
 on its directory.
 
-Only rank 0 writes. Writes of whole files go through a temp name and a rename, so a killed run
-never leaves half a summary. A run holds its directory by an advisory lock for its whole life, so
-no two processes ever write one run, and never writes into a directory that holds anything else.
+Only rank 0 writes (and, with `train --mlflow`, logs to MLflow as it goes). Writes of whole files go
+through a temp name and a rename, so a killed run never leaves half a summary. A run holds its directory
+by an advisory lock for its whole life, so no two processes ever write one run, and never writes into a
+directory that holds anything else.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from gpuwise.files import (
     write_atomic,
 )
 from gpuwise.train.config import TrainConfig
+from gpuwise.train.mlflow_live import ENV_VAR as MLFLOW_ENV
+from gpuwise.train.mlflow_live import LiveLog
 
 LOCK = ".lock"
 SUMMARY = "summary.json"  # written last, atomically: its presence is what "finished" means
@@ -240,12 +243,15 @@ class Recorder:
         self.run_dir, self.enabled = run_dir, enabled
         self._metrics = None
         self._tb = None
+        self._live: LiveLog | None = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
             self._metrics = _append(run_dir / METRICS)
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            if os.environ.get(MLFLOW_ENV):  # gpuwise train --mlflow URI
+                self._live = LiveLog(os.environ[MLFLOW_ENV], run_dir, run_dir.name)
 
     def rewind(self, step: int) -> None:
         """On resume from the checkpoint of `step`: drop what was logged after it (the steps about to be
@@ -282,6 +288,8 @@ class Recorder:
         assert self._metrics is not None and self._tb is not None  # both opened in __init__ when enabled
         self._metrics.write(to_json({"step": step, **values}) + "\n")
         self._metrics.flush()
+        if self._live is not None:
+            self._live.log(step, values)
         for key, value in values.items():
             if isinstance(value, int | float) and (key == "loss" or key.startswith("eval/") or step % 10 == 0):
                 self._tb.add_scalar(key, value, step)
@@ -297,3 +305,5 @@ class Recorder:
         if not self._metrics.closed:
             self._metrics.close()
             self._tb.close()
+        if self._live is not None:
+            self._live.flush()

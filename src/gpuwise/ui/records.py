@@ -33,7 +33,7 @@ def run_rows(runs_dir: Path) -> list[dict[str, Any]]:
     """Every recorded training run, newest first, then every run directory under `runs_dir` the record does
     not hold (a run training now, or one stopped before it finished)."""
     rows, seen = [], set()
-    for r in reversed(db.rows("train")) if db.default_path().exists() else []:
+    for r in reversed(db.rows("train")) if db.where().exists() else []:
         data = r["data"]
         run_dir = Path(r["run_dir"] or data.get("run_dir") or "")
         seen.add(os.path.realpath(run_dir))
@@ -152,7 +152,7 @@ def run_detail(key: str, runs_dir: Path) -> dict[str, Any]:
 
 def bench_rows() -> list[dict[str, Any]]:
     """Every `gpuwise bench` record, newest first: per device and dtype, as a fraction of peak."""
-    if not db.default_path().exists():
+    if not db.where().exists():
         return []
     return [
         {"key": str(r["id"]), "created": r["created"], "device": r["device"], "data": r["data"]}
