@@ -234,6 +234,48 @@ def test_skypilot_loads_the_task_and_its_resources_match_the_plan(catalog, data,
     assert f"--data {next(iter(copied))}" in task["run"]
 
 
+@pytest.mark.parametrize("engine", ["k8s", "skypilot"])
+def test_the_teams_record_reaches_the_job_by_the_engines_secret_never_its_artifact(engine, data, tmp_path, capsys,
+                                                                                  monkeypatch):  # fmt: skip
+    """Issue #52: with GPUWISE_DB a server, the job's nodes get its address from a Kubernetes Secret (made from a
+    file: kubectl renders it, apply stores it) or SkyPilot's --secret (its value from sky's environment). Stand-in
+    clients log what they are handed: the URL is in no argument and no artifact."""
+    url = "postgresql://team:s3cret-pw@db.internal:5432/gpuwise"
+    monkeypatch.setenv("GPUWISE_DB", url)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    client = bin_dir / ("kubectl" if engine == "k8s" else "sky")
+    # logs its arguments, the URL it got from its environment, and (kubectl) the file --from-file names
+    client.write_text(f"""#!/bin/sh
+echo "$* | env=${{GPUWISE_DB:-}}" >> {bin_dir}/calls
+for a in "$@"; do case "$a" in --from-file=url=*) cat "${{a#--from-file=url=}}" > {bin_dir}/secret-file;
+  stat -c %a "${{a#--from-file=url=}}" > {bin_dir}/secret-mode;; esac; done
+""")
+    client.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("gpuwise.runs.db.try_record", lambda *a, **k: 1)  # the record itself is not this test's
+    extra = ["--image", "registry/gpuwise:1"] if engine == "k8s" else []
+    assert main(["launch", engine, "--gpu", "l4", "--submit", *extra, "--json", "--", *train(data)]) == 0, (
+        capsys.readouterr().err)  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    artifact_text = Path(out["artifact"]).read_text()
+    assert "s3cret" not in artifact_text and "db.internal" not in artifact_text
+    calls = (bin_dir / "calls").read_text().splitlines()
+    assert all("s3cret" not in line.split(" | ")[0] for line in calls), calls  # never an argument
+    if engine == "k8s":
+        assert "create secret generic gpuwise-record --from-file=url=" in calls[0] and "--dry-run=client" in calls[0]
+        assert (bin_dir / "secret-file").read_text() == url and (bin_dir / "secret-mode").read_text().strip() == "600"
+        assert calls[1].startswith("apply -f - ") and calls[2].startswith(f"apply -f {out['artifact']}")
+        k8s_job = list(yaml.safe_load_all(artifact_text))[-1]
+        env = k8s_job["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert env == [{"name": "GPUWISE_DB", "valueFrom": {"secretKeyRef": {"name": "gpuwise-record", "key": "url",
+                                                                             "optional": True}}}]  # fmt: skip
+    else:
+        assert "--secret GPUWISE_DB" in calls[0] and calls[0].endswith(f"env={url}")
+        assert yaml.safe_load(artifact_text.split("\n", 2)[2])["secrets"] == {"GPUWISE_DB": None}
+
+
 def test_the_slurm_script_runs_one_torchrun_per_node_and_requeues_on_the_signal(catalog, data, tmp_path):
     job = plan_job(train(data), catalog, gpu="h100-sxm", gpus=16, run_dir=str(tmp_path / "run"))
     text = artifact("slurm", job, Options(partition="gpu", account="ml", qos="high", gres_type="h100"), tmp_path)
@@ -293,9 +335,14 @@ def wait_for(record_id: int, states: set[str], timeout: float = 300) -> dict:
 
 @pytest.mark.slow
 def test_a_ray_job_trains_two_workers_and_matches_a_local_two_process_run(ray_cluster, data, tmp_path, capsys,
-                                                                        monkeypatch):  # fmt: skip
+                                                                        monkeypatch, postgres):  # fmt: skip
+    """... and writes its run into the team's PostgreSQL (issue #52), the address given in the job's runtime_env
+    at submit time, not in the artifact."""
     from test_train_loop import assert_same_training, torchrun
 
+    from gpuwise.runs import db
+
+    monkeypatch.setenv("GPUWISE_DB", postgres.database())
     monkeypatch.chdir(tmp_path)
     exact = ["--precision", "32-true", "--batch-size", "8", "--max-steps", "4"]
     job = ["train", "recommender", "--data", str(data), "--model", "mf", *exact]
@@ -304,8 +351,11 @@ def test_a_ray_job_trains_two_workers_and_matches_a_local_two_process_run(ray_cl
                  "--run-dir", str(tmp_path / "ray-run"), "--json", "--", *job]) == 0  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     assert out["job_id"] and out["record_id"] and Path(out["artifact"]).is_file()
+    assert "postgresql" not in Path(out["artifact"]).read_text()
     now = wait_for(out["record_id"], {"SUCCEEDED", "FAILED", "STOPPED"})
     assert now["state"] == "SUCCEEDED", now
+    [trained] = db.rows("train")  # written by the job's rank 0, on its node, into the same PostgreSQL
+    assert trained["run_dir"] == str(tmp_path / "ray-run") and trained["data"]["steps"] == 4
     summary = now["summary"]
     assert summary["device"] == "cpu x 2" and summary["strategy"] == "ddp" and summary["steps"] == 4
     planned, actual = now["planned_vs_actual"]["wall_s"]

@@ -85,6 +85,25 @@ def test_the_script_trains_and_runs_shows_the_job(slurm, data, tmp_path, capsys,
 
 
 @pytest.mark.slow
+def test_a_launched_job_writes_its_run_into_the_teams_postgresql(slurm, data, postgres, tmp_path, capsys, monkeypatch):
+    """Issue #52: the job on the node writes its run where the launch was recorded: the team's PostgreSQL. The
+    address reaches it through sbatch's environment; the script holds no address, and no password goes anywhere."""
+    from gpuwise.runs import db
+
+    url = postgres.database()
+    monkeypatch.setenv("GPUWISE_DB", url)  # as `gpuwise --db URL launch ...` sets it; PGPASSFILE from the fixture
+    monkeypatch.chdir(tmp_path)
+    out = submit(capsys, tmp_path / "run", job(data, 2))
+    assert "postgresql" not in Path(out["artifact"]).read_text() and postgres.password not in out["artifact"]
+    now = finished(out["record_id"])
+    assert now["state"] == "COMPLETED", now
+    trained = db.rows("train")
+    assert len(trained) == 1 and trained[0]["run_dir"] == str(tmp_path / "run"), trained
+    assert trained[0]["data"]["steps"] == 2 and trained[0]["id"] > out["record_id"]  # written by the job, later
+    assert db.get(out["record_id"])["kind"] == "launch"  # the launch, in the same record
+
+
+@pytest.mark.slow
 def test_a_signalled_job_checkpoints_is_requeued_and_resumes(slurm, data, tmp_path, capsys, monkeypatch):
     from test_train_loop import assert_same_training, torchrun
 

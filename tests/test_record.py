@@ -171,7 +171,8 @@ def test_a_run_finishes_with_its_record_down_and_runs_sync_writes_it(postgres, t
     assert not pending[0].exists()
     shown = json.loads(run("runs", "show", "1", env=env).stdout)
     assert shown["kind"] == "train" and shown["run_dir"] == str(runs / "a")
-    assert shown["data"] | {"record_id": None} == summary and shown["created"] == created  # when it finished, not when it was synced
+    # its figures whole, and the time it finished, not the time it was synced
+    assert shown["data"] | {"record_id": None} == summary and shown["created"] == created
     again = run("runs", "sync", str(runs), env=env)
     assert again.returncode == 0 and "nothing pending" in again.stdout
 

@@ -227,7 +227,7 @@ def launch(
     Ray job, a SkyPilot task or service, Kubernetes manifests), with the plan's figures beside it; --submit hands
     it to the engine and records it; --stop ID ends it."""
     # here, not at the top: `gpuwise --help` and the other commands start without it
-    from gpuwise.launch.engines import Options
+    from gpuwise.launch.engines import Options, record_note
     from gpuwise.launch.job import dollars
     from gpuwise.launch.registry import engines
 
@@ -334,6 +334,9 @@ def launch(
         console.print(
             f"submitted to {chosen.name}: job {job_id}; run record #{record_id}: gpuwise runs", highlight=False
         )
+        note = record_note(chosen.name)
+        if note:
+            console.print(note, highlight=False)
     else:
         console.print(f"not submitted: add --submit to hand {path} to {chosen.name}", highlight=False)
 

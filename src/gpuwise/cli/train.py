@@ -13,7 +13,7 @@ from rich.console import Console
 from gpuwise.cli.options import JsonOpt, WorkloadOpt, console, emit
 from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.train.mlflow_live import ENV_VAR as MLFLOW_ENV
-from gpuwise.train.mlflow_live import bare
+from gpuwise.train.mlflow_live import LIVE_FILE, bare
 from gpuwise.workloads.registry import described
 
 EPILOG = (
@@ -135,7 +135,8 @@ def train(
         summary = train_run(cfg, console=progress_console)
     if summary is None:  # not rank 0: the first process reports
         return
-    if os.environ.get(MLFLOW_ENV) and summary.get("record_id") is not None:
+    live = Path(summary["run_dir"]) / LIVE_FILE
+    if os.environ.get(MLFLOW_ENV) and summary.get("record_id") is not None and live.is_file():
         _complete_mlflow(os.environ[MLFLOW_ENV], summary["record_id"])
     if as_json:
         emit(summary)

@@ -18,6 +18,7 @@ from pathlib import Path
 from gpuwise.errors import GpuwiseError
 from gpuwise.launch.endpoint import Endpoint
 from gpuwise.launch.job import Job
+from gpuwise.runs import db
 
 CLIENT_TIMEOUT_S = 120  # one call of an engine's client (sbatch, kubectl apply, ...)
 STATE_TIMEOUT_S = 15  # asking a job's state for `gpuwise runs`: a slow engine must not hang the listing
@@ -123,11 +124,26 @@ def run_client(argv: list[str], what: str, timeout: float = CLIENT_TIMEOUT_S, **
 # default), Ray's runtime_env env_vars, a Kubernetes Secret, SkyPilot's --secret.
 RECORD_VARS = ("GPUWISE_DB", "PGPASSFILE", "PGSERVICEFILE", "PGSERVICE")  # libpq's own files: paths, no secret
 RECORD_SECRET = "gpuwise-record"  # Kubernetes: the Secret holding the record's URL, key "url"
+RECORD_ROUTE = {  # how each engine hands it over, as the launch's printout says
+    "slurm": "sbatch passes this shell's environment on",
+    "ray": "in the job's runtime_env, given at submit",
+    "k8s": f"from the Secret {RECORD_SECRET}, made at --submit",
+    "skypilot": "by sky's --secret GPUWISE_DB",
+}
 
 
 def record_env() -> dict[str, str]:
     """GPUWISE_DB and libpq's variables, where this shell sets them."""
     return {k: os.environ[k] for k in RECORD_VARS if os.environ.get(k)}
+
+
+def record_note(engine: str) -> str | None:
+    """Where a submitted job records its run, for the launch's printout; None for the user's own default."""
+    if not os.environ.get("GPUWISE_DB"):
+        return None
+    if engine in ("k8s", "skypilot") and not record_server():
+        return f"the job records its run in its own node's record ({db.where()} is a file on this machine)"
+    return f"the job records its run in {db.where()} ({RECORD_ROUTE[engine]})"
 
 
 def record_server() -> str | None:

@@ -51,8 +51,8 @@ class LiveLog:
             self._off(e)
 
     def _off(self, e: BaseException) -> None:
-        print(f"gpuwise: warning: MLflow at {bare(self.uri)}: {first_line(e)}; training goes on without it",
-              file=sys.stderr)  # fmt: skip
+        print(f"gpuwise: warning: MLflow at {bare(self.uri)}: {first_line(e)}; training goes on without it "
+              "(`gpuwise runs export --mlflow URI` writes the run there later)", file=sys.stderr)  # fmt: skip
         self.run_id = None
 
     def log(self, step: int, values: dict) -> None:
