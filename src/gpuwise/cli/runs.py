@@ -224,5 +224,5 @@ def migrate(
     if str(db.where(to)) == str(db.where()):
         raise GpuwiseError("--to names the record being migrated: give another one")
     n = db.copy(None, to)
-    console.print(f"{n} records copied from {db.where()} to {db.where(to)}, ids kept; point gpuwise at it with "
+    console.print(f"{n} record{'' if n == 1 else 's'} copied from {db.where()} to {db.where(to)}, ids kept; point gpuwise at it with "
                   "--db or GPUWISE_DB")  # fmt: skip
