@@ -151,7 +151,10 @@ def test_kubernetes_manifests_validate_and_carry_no_key(capsys, tmp_path, engine
     assert docs["Deployment"]["spec"]["replicas"] == 2
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/livez"
     assert c["env"] == [{"name": "GPUWISE_API_KEY", "valueFrom": {"secretKeyRef": {
-        "name": out["plan"] and docs["Deployment"]["metadata"]["name"] + "-key", "key": "api-key"}}}]  # fmt: skip
+        "name": out["plan"] and docs["Deployment"]["metadata"]["name"] + "-key", "key": "api-key"}}},
+        # the team's record, where --submit made its Secret (issue #52); optional: else the pod's own
+        {"name": "GPUWISE_DB", "valueFrom": {"secretKeyRef": {"name": "gpuwise-record", "key": "url",
+                                                             "optional": True}}}]  # fmt: skip
     assert "--api-key" not in " ".join(c["command"]) and "--host" in c["command"]
     # TERM drains within the grace period: preStop, then serve --grace, inside terminationGracePeriodSeconds
     grace = int(c["command"][c["command"].index("--grace") + 1])

@@ -26,6 +26,7 @@ RANK = {
     "serve": 4,
     "report": 4,
     "launch": 4,
+    "fleet": 4,
     "views": 5,
     "ui": 5,
     "cli": 5,

@@ -532,6 +532,9 @@ class TrainSummary(Result):
     files: list[str] = Field(default_factory=list, description="files the trained model was saved to")
     wall_s: Number | None = Field(None, description="training wall-clock time, resumed parts included, seconds")
     projection: list[GpuProjection] = Field(default_factory=list, description="the same run on catalog GPUs")
+    utilization: dict[str, Any] | None = Field(
+        None, description="the devices' use while it trained, sampled (hardware/usage.py; docs/fleet.md)"
+    )
     record_id: int | None = Field(None, description="id in the run record; null if not recorded")
 
     @property

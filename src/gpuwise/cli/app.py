@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from gpuwise import __version__
-from gpuwise.cli import bench, chat, export, hardware, launch, plan, report, runs, schema, serve, train, ui
+from gpuwise.cli import bench, chat, export, fleet, hardware, launch, plan, report, runs, schema, serve, train, ui
 from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.hardware.cpu import retain_freed_memory
 
@@ -67,6 +67,7 @@ app.command()(serve.serve)
 app.command()(chat.chat)
 app.command(epilog=export.EPILOG)(export.export)
 app.add_typer(runs.app, name="runs")
+app.command(epilog=fleet.EPILOG)(fleet.fleet)
 app.command()(report.report)
 app.command(epilog=schema.EPILOG)(schema.schema)
 app.command()(ui.ui)

@@ -214,15 +214,23 @@ def migrate(
             metavar="URL",
         ),
     ] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Bring the record to this gpuwise's schema (done on first use anyway), or copy it whole --to another."""
     db = _db()
 
     if to is None:
-        console.print(f"{db.where()}: at schema revision {db.migrate()}")
+        revision = db.migrate()
+        if as_json:
+            emit({"record": str(db.where()), "revision": revision})
+        else:
+            console.print(f"{db.where()}: at schema revision {revision}")
         return
     if str(db.where(to)) == str(db.where()):
         raise GpuwiseError("--to names the record being migrated: give another one")
     n = db.copy(None, to)
-    console.print(f"{n} record{'' if n == 1 else 's'} copied from {db.where()} to {db.where(to)}, ids kept; point gpuwise at it with "
-                  "--db or GPUWISE_DB")  # fmt: skip
+    if as_json:
+        emit({"record": str(db.where()), "to": str(db.where(to)), "copied": n})
+        return
+    copied = f"{n} record{'' if n == 1 else 's'} copied from {db.where()} to {db.where(to)}"
+    console.print(f"{copied}, ids kept; point gpuwise at it with --db or GPUWISE_DB")

@@ -317,14 +317,17 @@ def serve(
     on_stop = None
     if llm is not None and record:
 
-        def on_stop():
+        def on_stop(usage: dict | None) -> None:
             # here, not at the top: `gpuwise --help` and the other commands start without it
             from gpuwise.serve.llm.session import record_session
 
-            record_session(llm.session, name, chosen.engine, llm.device, replica, llm.startup)
+            record_session(llm.session, name, chosen.engine, llm.device, replica, llm.startup, usage)
 
     precision = llm.precision if llm else "fp32"
-    asgi = create_app(served, settings, run_id=Path(name).name, precision=precision, on_stop=on_stop)
+    # an endpoint launched onto a cluster keeps its devices' use beside its address, for `gpuwise fleet`
+    usage_file = announce.with_name(announce.stem + ".usage.json") if announce is not None else None
+    asgi = create_app(served, settings, run_id=Path(name).name, precision=precision, on_stop=on_stop,
+                      usage_file=usage_file)  # fmt: skip
     # print
     if json_out:
         emit(_startup(llm, served, name, chosen, runtime, host, port, max_batch, max_wait_ms, goodput_line))

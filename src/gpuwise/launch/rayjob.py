@@ -20,9 +20,18 @@ from gpuwise.errors import GpuwiseError, first_line
 from gpuwise.launch.endpoint import DRAIN_S, Endpoint
 from gpuwise.launch.engines import RAY_NAME, STATE_TIMEOUT_S, Engine, Options, record_env
 from gpuwise.launch.job import Job
+from gpuwise.runs import db
 
 AGENT_WAIT_S = 60
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"  # `ray start --head`'s dashboard, where the Jobs API answers
+
+
+def fleet_metadata(gpu: str, gpus: int, cpus: int) -> dict[str, str]:
+    """What `gpuwise fleet` reads of a Ray job gpuwise launched: its devices, and who launched it for which team
+    (Ray's Jobs API keeps no user)."""
+    who = db.whoami()
+    return {"gpuwise_gpu": gpu, "gpuwise_gpus": str(gpus), "gpuwise_cpus": str(cpus),
+            "gpuwise_user": who["user"] or "", "gpuwise_team": who["team"] or ""}  # fmt: skip
 
 
 def address_of(opts: Options) -> str:
@@ -75,7 +84,9 @@ class Ray(Engine):
                                       *job.train_command()]),  # fmt: skip
             "runtime_env": {"py_modules": [str(Path(gpuwise.__file__).parent)]},
             "entrypoint_num_cpus": 0,  # the driver only waits; the bundles hold the resources
-            "metadata": {"gpuwise_workload": job.workload, "gpuwise_run_dir": job.run_dir},
+            "metadata": {"gpuwise_workload": job.workload, "gpuwise_run_dir": job.run_dir, **fleet_metadata(
+                job.choice.gpu if job.accelerator == "cuda" else "cpu", c.gpus if job.accelerator == "cuda" else 0,
+                job.cpus_per_node * c.nodes)},
         }
 
     def render(self, job: Job, opts: Options) -> str:
@@ -143,7 +154,8 @@ class Ray(Engine):
             "runtime_env": {"py_modules": [str(Path(gpuwise.__file__).parent)],
                             "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(DRAIN_S + 15)}},  # fmt: skip
             "entrypoint_num_cpus": 0,
-            "metadata": {"gpuwise_endpoint": ep.model, "gpuwise_run_dir": ep.run_dir},
+            "metadata": {"gpuwise_endpoint": ep.model, "gpuwise_workload": ep.model, "gpuwise_run_dir": ep.run_dir,
+                         **fleet_metadata(ep.gpu, ep.gpus * ep.replicas, ep.cpus * ep.replicas)},
         }
 
     def render_endpoint(self, ep: Endpoint, opts: Options) -> str:

@@ -10,6 +10,7 @@ keeps it in a pending file, and `gpuwise runs sync` writes it later.
 
 from __future__ import annotations
 
+import getpass
 import json
 import math
 import os
@@ -265,6 +266,17 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+TEAM_VAR = "GPUWISE_TEAM"  # the team a member's records count for in `gpuwise fleet --by team`
+
+
+def whoami() -> dict[str, str | None]:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a container's uid with no passwd entry
+        user = str(os.getuid())
+    return {"user": user, "team": os.environ.get(TEAM_VAR) or None}
+
+
 def record(
     kind: str,
     device: str,
@@ -273,11 +285,14 @@ def record(
     run_dir: str | None = None,
     path: str | Path | None = None,
     created: str | None = None,
+    who: dict[str, str | None] | None = None,
 ) -> int:
-    """Insert one record; its id is the database's."""
+    """Insert one record; its id is the database's. `who`: the user and team (a pending record's own)."""
     if isinstance(data, Result):
         data = data.dump()
-    row = {"kind": kind, "created": created or now(), "device": device, "name": name, "run_dir": run_dir}
+    who = who or whoami()
+    row = {"kind": kind, "created": created or now(), "device": device, "name": name, "run_dir": run_dir,
+           "user": who["user"], "team": who["team"]}  # fmt: skip
     with connect(path, write=True) as con:
         new_id = con.execute(records.insert().values(**row, data=to_json(data))).inserted_primary_key
         assert new_id is not None  # set by every INSERT of a row with an autoincrement key
@@ -372,7 +387,7 @@ def _uncalibrated(e: Unreachable) -> None:
         print(f"gpuwise: warning: {e}; planning with no measured calibration", file=sys.stderr)
 
 
-_COLUMNS = ("id", "kind", "created", "device", "name", "run_dir", "data")
+_COLUMNS = ("id", "kind", "created", "device", "name", "run_dir", "user", "team", "data")
 
 
 def rows(kind: str | None = None, path: str | Path | None = None) -> list[dict]:
@@ -381,7 +396,7 @@ def rows(kind: str | None = None, path: str | Path | None = None) -> list[dict]:
         query = query.where(records.c.kind == kind)
     with connect(path) as con:
         out = con.execute(query).all()
-    return [dict(zip(_COLUMNS, r, strict=True)) | {"data": _data(r[0], r[6], path)} for r in out]
+    return [dict(zip(_COLUMNS, r, strict=True)) | {"data": _data(r[0], r[-1], path)} for r in out]
 
 
 def _data(record_id: int, raw, path: str | Path | None) -> dict:
@@ -399,7 +414,7 @@ def get(record_id: int, path: str | Path | None = None) -> dict:
         r = con.execute(select(*(records.c[k] for k in _COLUMNS)).where(records.c.id == record_id)).first()
     if r is None:
         raise GpuwiseError(f"no record #{record_id} in {where(path)}")
-    return dict(zip(_COLUMNS, r, strict=True)) | {"data": _data(r[0], r[6], path)}
+    return dict(zip(_COLUMNS, r, strict=True)) | {"data": _data(r[0], r[-1], path)}
 
 
 def typed(row: dict[str, Any], path: str | Path | None = None) -> Result | None:
@@ -455,7 +470,8 @@ def try_record(kind: str, device: str, name: str, data: Result | dict, run_dir: 
     try:
         return record(kind, device, name, data, run_dir, created=created)
     except GpuwiseError as e:
-        entry = {"kind": kind, "device": device, "name": name, "run_dir": run_dir, "created": created, "data": data}
+        entry = {"kind": kind, "device": device, "name": name, "run_dir": run_dir, "created": created, "data": data,
+                 **whoami()}  # fmt: skip
         folder = pending_dir(run_dir)
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -532,8 +548,10 @@ def sync(folders: list[Path], path: str | Path | None = None) -> tuple[list[tupl
         except GpuwiseError as e:
             problems.append(f"{file}: skipped: {e}")
             continue
+        who = {k: entry[k] if isinstance(entry.get(k), str) else None for k in ("user", "team")}
         new_id = record(
-            entry["kind"], entry["device"], entry["name"], entry["data"], entry.get("run_dir"), path, entry["created"]
+            entry["kind"], entry["device"], entry["name"], entry["data"], entry.get("run_dir"), path, entry["created"],
+            who if who["user"] else None,
         )
         file.unlink()
         written.append((file, new_id))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sqlalchemy import Column, Float, ForeignKey, Integer, MetaData, Table, Text
 
-HEAD = "0001"  # the newest migration: a record at this revision needs none
+HEAD = "0002"  # the newest migration: a record at this revision needs none
 
 metadata = MetaData()
 
@@ -20,6 +20,8 @@ records = Table(
     Column("name", Text, nullable=False),  # the model or workload
     Column("run_dir", Text),
     Column("data", Text, nullable=False),  # the command's whole JSON output
+    Column("user", Text),  # who ran the command (the login name), since revision 0002
+    Column("team", Text),  # GPUWISE_TEAM where set: what `gpuwise fleet --by team` groups a record's runs by
     sqlite_autoincrement=True,
 )
 

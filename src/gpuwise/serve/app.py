@@ -23,7 +23,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
 from gpuwise.errors import GpuwiseError
-from gpuwise.files import read_run_file, write_atomic
+from gpuwise.files import read_run_file, to_json, write_atomic
+from gpuwise.hardware.usage import Sampler, probe_for, usage_gauges
 from gpuwise.results import TrainSummary
 from gpuwise.serve.batcher import DynamicBatcher, ServeMetrics
 from gpuwise.serve.hosts import WebPolicy, allowed_hosts
@@ -255,9 +256,16 @@ def _trained(run_dir: str) -> TrainSummary | None:
         return None
 
 
-def create_app(served, settings: Settings, run_id: str, precision: str, on_stop=None):
-    """The server's app over `served`; `on_stop()` runs once it has stopped serving (its engines closed)."""
+def create_app(served, settings: Settings, run_id: str, precision: str, on_stop=None, usage_file: Path | None = None):
+    """The server's app over `served`; `on_stop(usage)` runs once it has stopped serving (its engines closed), with
+    the devices' use over its life (hardware/usage.py), which /metrics exports as it goes and `usage_file` keeps."""
     limits, metrics = settings.limits, ServeMetrics()
+    probe, note = probe_for(str(served.device))
+    if note:
+        log.warning(note)
+    usage = Sampler(probe, on_flush=(lambda s: write_atomic(usage_file, to_json(s) + "\n", "usage file"))
+                    if usage_file else None)  # fmt: skip
+    usage_gauges(metrics.registry, usage, run_id)
     batcher = DynamicBatcher(served, settings.max_batch, settings.max_wait_ms, metrics)
     # Image decoding takes seconds for large images: off the event loop, on as many threads as cores
     # (Pillow releases the GIL while it decodes), so /health and other requests are not held up.
@@ -265,6 +273,7 @@ def create_app(served, settings: Settings, run_id: str, precision: str, on_stop=
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
+        usage.start()
         if served.batched:
             await batcher.start()
         yield
@@ -272,8 +281,9 @@ def create_app(served, settings: Settings, run_id: str, precision: str, on_stop=
         if hasattr(served, "close"):  # an LLM's engine thread
             served.close()
         decoder.shutdown(wait=False, cancel_futures=True)
+        used = usage.stop()
         if on_stop is not None:  # here, not after uvicorn returns: it re-raises SIGTERM once it has shut down
-            on_stop()
+            on_stop(used)
 
     app = FastAPI(
         title=f"gpuwise serve: {served.workload}",

@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from gpuwise.files import (
     to_json,
     write_atomic,
 )
+from gpuwise.hardware.usage import USAGE_FILE, Sampler, probe_for
 from gpuwise.train.config import TrainConfig
 from gpuwise.train.mlflow_live import ENV_VAR as MLFLOW_ENV
 from gpuwise.train.mlflow_live import LiveLog
@@ -244,6 +246,7 @@ class Recorder:
         self._metrics = None
         self._tb = None
         self._live: LiveLog | None = None
+        self._sampler: Sampler | None = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
             self._metrics = _append(run_dir / METRICS)
@@ -276,6 +279,24 @@ class Recorder:
         self._tb.close()
         self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=step + 1)
 
+    def watch(self, accelerator: str) -> None:
+        """Sample the devices this run holds while it trains (hardware/usage.py): their summary goes into the
+        run's summary and record, and RUN/usage.json holds the figures so far for `gpuwise fleet`."""
+        if not self.enabled or self._sampler is not None:
+            return
+        probe, note = probe_for(accelerator)
+        if note:
+            print(f"gpuwise: warning: {note}", file=sys.stderr)
+        usage_file = self.run_dir / USAGE_FILE
+        self._sampler = Sampler(probe, on_flush=lambda summary: write_atomic(usage_file, to_json(summary) + "\n"))
+        self._sampler.start()
+
+    def usage(self) -> dict | None:
+        """The devices' use over the run (this part of it, after a resume), sampling stopped; None on other ranks."""
+        if self._sampler is None:
+            return None
+        return self._sampler.stop()
+
     def save_config(self, cfg: TrainConfig) -> None:
         if self.enabled:
             write_atomic(self.run_dir / "config.yaml", yaml.safe_dump(cfg.as_dict(), sort_keys=False))
@@ -307,3 +328,5 @@ class Recorder:
             self._tb.close()
         if self._live is not None:
             self._live.flush()
+        if self._sampler is not None:
+            self._sampler.stop()

@@ -169,6 +169,7 @@ def build(cfg: TrainConfig, fabric, accelerator: str, precision: str, strategy: 
     work = build_workload(cfg, rec.run_dir)
     layout = lay_out(cfg, work, fabric.world_size, accelerator, precision, strategy)
     rec.save_config(layout.cfg)
+    rec.watch(accelerator)
     model = work.model
     # FSDP shards the model in place, yet the saved model must be whole: rank 0 keeps an unsharded
     # twin (one more copy in host memory) to load the gathered weights into at the end.

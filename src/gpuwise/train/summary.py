@@ -82,6 +82,7 @@ def summarize(
 
     # a run of no steps of its own (a model assembled from its parts) has no time to project
     summary.projection = projection(summary, cfg.workload_def().convolutional) if steps else []
+    summary.utilization = rec.usage()
     if rank_zero:
         summary.record_id = try_record("train", plan.device_key, cfg.workload, summary.dump(), run_dir=str(run_dir))
     rec.summary(summary.dump())

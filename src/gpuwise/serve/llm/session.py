@@ -82,20 +82,27 @@ class Session:
 
 
 def record_session(
-    session: Session, name: str, engine: str, device: str, replica: Any, startup: dict[str, Any] | None
+    session: Session,
+    name: str,
+    engine: str,
+    device: str,
+    replica: Any,
+    startup: dict[str, Any] | None,
+    usage: dict[str, Any] | None = None,
 ) -> None:
     """The session's record (kind "serve"), once the server has stopped: what it met and, where the endpoint was
-    planned, what the plan expected at the same traffic. Nothing served: nothing recorded."""
+    planned, what the plan expected at the same traffic, and its devices' use. A server that served nothing is
+    recorded too where its use was sampled: an endpoint held idle is what `gpuwise fleet` looks for."""
     # here, not at the top: only a server that stops records
     from gpuwise.plan.endpoint import session_plan
     from gpuwise.plan.traffic import DEFAULT_TARGETS
     from gpuwise.runs import db
 
     actual = session.summary(DEFAULT_TARGETS)
-    if actual is None:
+    if actual is None and not (usage and usage.get("samples")):
         return
     planned = None
-    if replica is not None and actual["rate_rps"] > 0:
+    if replica is not None and actual is not None and actual["rate_rps"] > 0:
         planned = session_plan(replica, actual["prompt_tokens"], actual["output_tokens"], actual["rate_rps"])
     data = {
         "kind": "serve",
@@ -106,5 +113,6 @@ def record_session(
         "actual": actual,
         "planned": planned,
         "startup": startup,
+        "utilization": usage,
     }
     db.try_record("serve", device, name, data)
