@@ -204,6 +204,9 @@ def figures_train(stdout: str) -> dict:
         "step_error": s["estimate_error"].get("step_time_s"),
         "mfu": s.get("mfu"),
         "memory_method": actual.get("method"),
+        # the devices' use as the run sampled it: NVML on a GPU (hardware/usage.py), its CPU share otherwise
+        "use": {k: (s.get("utilization") or {}).get(k) for k in ("kind", "mean", "idle_share", "mean_power_w",
+                                                                 "peak_memory_share", "samples")},  # fmt: skip
     }
 
 
@@ -280,6 +283,10 @@ def table(report: dict) -> str:
             step = f"{f['step_error']:+.0%}" if f["step_error"] is not None else "-"
             mfu = f"{f['mfu']:.1%}" if f["mfu"] else "-"
             said = f"{f['device']} {f['precision']}: memory {mem}, step time {step} (plan vs actual), MFU {mfu}"
+            use = f.get("use") or {}
+            if use.get("mean") is not None:
+                watts = f", {use['mean_power_w']:.0f} W" if use.get("mean_power_w") else ""
+                said += f"; use {use['mean']:.0%} ({use['kind']}, {use['samples']} samples{watts})"
         elif name == "gpu tests" and f:
             said = f"{f['tests']} tests, {f['failures'] + f['errors']} failed, {f['skipped']} skipped"
         elif name == "llm endpoint" and f:

@@ -23,6 +23,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    """Until `url` answers 200, or the server has died (its log's tail in the failure)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"{url} did not answer:\n" + log.read_text()[-3000:])
+        time.sleep(0.5)
+
+
 class Postgres:
     """The server; `database()` makes a new empty database on it and returns its URL (no password in it:
     libpq reads it from PGPASSFILE, which the fixture sets)."""
@@ -67,18 +82,11 @@ class MlflowServer:
             stdout=self.log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True,
             env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"),
         )  # fmt: skip
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError("mlflow server did not start:\n" + (root / "mlflow.log").read_text()[-3000:])
-            time.sleep(0.5)
+        try:
+            wait_ready(f"{self.uri}/health", self.proc, root / "mlflow.log")
+        except AssertionError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         if self.proc.poll() is None:

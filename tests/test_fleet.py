@@ -186,3 +186,83 @@ def test_a_small_fleet_is_counted_to_the_second_its_idle_endpoint_named_and_owni
 
     assert f"h100-sxm: {_h(line['allocated_gpu_hours'])} GPU-h allocated, busy" in said, said
     assert "(measured)" in said and f"{line['cheaper']} is cheaper" in said, said
+
+
+@pytest.fixture(scope="module")
+def prometheus_server(tmp_path_factory):
+    """Debian's prometheus on loopback, scraping what the test names in targets.json every second."""
+    import shutil
+
+    from record_servers import free_port, wait_ready
+
+    binary = shutil.which("prometheus")
+    if binary is None:
+        done = subprocess.run(["apt-get", "install", "-y", "-qq", "prometheus"], capture_output=True, text=True,
+                              timeout=600, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        binary = shutil.which("prometheus")
+    where = tmp_path_factory.mktemp("prometheus")
+    (where / "targets.json").write_text("[]")
+    (where / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n  - job_name: gpuwise\n    file_sd_configs: [{files: ['" + str(where / "targets.json") +
+        "'], refresh_interval: 1s}]\n"
+    )  # fmt: skip
+    port = free_port()
+    log = open(where / "prometheus.log", "wb")  # noqa: SIM115 - held for the server's life
+    proc = subprocess.Popen([str(binary), f"--config.file={where / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={where / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(f"{url}/-/ready", proc, where / "prometheus.log")
+        yield url, where / "targets.json"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def test_prometheus_gives_the_use_of_a_job_gpuwise_never_saw(cluster, prometheus_server, postgres, tmp_path,
+                                                             monkeypatch):  # fmt: skip
+    """A Slurm job serving a model gpuwise never launched nor recorded: Prometheus scrapes its /metrics (the
+    gauges labelled with its Slurm job id), and fleet --prometheus reads its use from there."""
+    import urllib.parse
+    import urllib.request
+
+    from record_servers import free_port
+
+    url, targets = prometheus_server
+    monkeypatch.setenv("GPUWISE_DB", postgres.database())
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    monkeypatch.setenv("GPUWISE_USAGE_INTERVAL_S", "0.2")
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    trained = subprocess.run([str(GPUWISE), "train", "tiny_workload:Tiny", "--max-steps", "2", "--accelerator", "cpu",
+                              "--run-dir", str(run)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    port = free_port()
+    serve = f"exec {GPUWISE} serve {run} --workload tiny_workload:Tiny --host 127.0.0.1 --port {port}"
+    job = sbatch("--account=team-b", "--mem=1G", "--job-name=served", "--wrap", serve)
+    targets.write_text(json.dumps([{"targets": [f"127.0.0.1:{port}"]}]))
+    query = urllib.parse.urlencode({"query": f'gpuwise_device_utilization_ratio{{hpc_job="{job}"}}'})
+    deadline, seen = time.monotonic() + 180, 0
+    while seen < 5:  # five scrapes of the job's gauges
+        with urllib.request.urlopen(f"{url}/api/v1/query?{query}", timeout=5) as r:
+            result = json.loads(r.read())["data"]["result"]
+        seen += bool(result)
+        queued = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, timeout=30).stdout
+        assert queued.strip() and time.monotonic() < deadline, (tmp_path / f"slurm-{job}.out").read_text()[-2000:]
+        time.sleep(1)
+    try:
+        code, report = fleet("--prometheus", url, "--idle", "1s")
+        mine = next(j for j in report["jobs"] if j["source"] == "slurm" and j["job"] == job)
+        assert mine["utilization_source"].startswith("prometheus (gpuwise's /metrics, by hpc_job"), mine
+        assert 0 <= mine["utilization"] < 0.5 and mine["idle_share"] > 0.5  # a server no one calls
+        assert code == 1 and job in [j["job"] for j in report["idle"]]
+        down = fleet("--prometheus", "http://127.0.0.1:1")[1]
+        assert any(n.startswith("Prometheus at http://127.0.0.1:1:") for n in down["notes"]), down["notes"]
+        unmeasured = next(j for j in down["jobs"] if j["source"] == "slurm" and j["job"] == job)
+        assert unmeasured["utilization"] is None  # nothing is made up when the source is down
+    finally:
+        subprocess.run(["scancel", job], timeout=60)

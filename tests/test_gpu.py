@@ -74,3 +74,27 @@ def test_fsdp_on_one_gpu(capsys, tmp_path):
     assert main([*args.split(), "--run-dir", str(tmp_path / "r"), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["strategy"] == "fsdp" and s["device"].startswith("cuda") and s["actual"]["peak_bytes"] > 0
+
+
+def test_nvml_sees_a_busy_gpu_busier_than_an_idle_one():
+    """Issue #53: the NVML path of hardware/usage.py on a real GPU: SM utilization while a matmul loop runs is
+    above the idle level, and memory used and power are read."""
+    import time
+
+    import torch
+
+    from gpuwise.hardware.usage import Sampler, nvml_probe
+
+    probe = nvml_probe([torch.cuda.current_device()])
+    assert probe is not None and probe.kind == "cuda (NVML)" and probe.allocated_bytes > 0
+    sampler = Sampler(probe, interval=3600)  # sampled by hand
+    time.sleep(1.0)
+    idle = sampler.sample()
+    a = torch.randn(8192, 8192, device="cuda")
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        a @ a
+    torch.cuda.synchronize()
+    busy = sampler.sample()
+    assert idle is not None and busy is not None and busy.utilization > idle.utilization and busy.utilization > 0.5
+    assert busy.memory_bytes > idle.memory_bytes and (busy.power_w is None or busy.power_w > 0)

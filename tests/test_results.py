@@ -26,7 +26,7 @@ PLAN_KEYS = ["model", "task", "gpu", "gpu_name", "gpus", "layout", "precision", 
 SUMMARY_KEYS = ["workload", "run_dir", "steps", "epochs", "final_loss", "eval", "baseline", "throughput", "mfu",
                 "peak_flops", "flops_per_step", "device", "precision", "strategy", "global_batch", "micro_batch",
                 "accumulation", "oom_events", "plan", "actual", "estimate_error", "data", "files", "wall_s",
-                "projection", "record_id"]
+                "projection", "utilization", "record_id"]
 
 # A bench as bench.json holds it: a CPU with its projections, and a GPU (host_device, no projections).
 BENCH = {

@@ -544,3 +544,28 @@ def test_the_bench_page_shows_every_figure_and_says_why_one_is_above_100_percent
     caption = page.inner_text("#benchout figcaption >> nth=0")
     assert "2 cores x 32 FP32 FLOP/cycle" in caption and "above 100 %" in caption
     assert page.evaluate(TEXTS_INSIDE, "#benchout svg") == []
+
+
+def test_the_fleet_page_charts_the_hours_and_the_measured_use_of_the_record(server, page, finished_run, tmp_path):
+    """Issue #53: the Fleet page draws what `gpuwise fleet --json` gives for the ui's record (the two defects runs,
+    each measured while it trained): its device-hours by group over time, the measured hours by utilization, and
+    the groups' table; every chart's text inside its chart."""
+    page.goto(f"{server}/?page=fleet&since=1d&by=workload")
+    page.wait_for_selector("#fleettable")
+    charts = page.locator("#fleetout svg")
+    assert charts.count() == 2
+    assert "by workload, per hour" in charts.nth(0).get_attribute("aria-label")  # core-seconds: short runs
+    assert "by utilization" in charts.nth(1).get_attribute("aria-label")
+    rows = page.inner_text("#fleettable tbody")
+    assert "defects" in rows and page.locator("#fleettable tbody tr").count() == 1
+    assert page.evaluate(TEXTS_INSIDE, "#fleetout svg") == []
+    assert page.evaluate(HEADERS_ALIGNED, "#fleettable") == []
+    page.select_option("#fby", "user")  # the form asks again, and the address says what is shown
+    page.wait_for_function("document.querySelector('#fleettable thead th').textContent === 'user'")
+    assert "by=user" in page.url
+    shot(page, "ui-fleet.png", tmp_path)
+
+
+def test_the_fleet_api_refuses_a_bad_span_in_one_line(finished_run):
+    answer = client(runs_dir=finished_run.parent).get("/api/fleet", params={"since": "forever"})
+    assert answer.status_code == 400 and "give a span such as 90s" in answer.json()["error"]

@@ -135,3 +135,25 @@ def test_own_or_rent_uses_the_measured_utilization_in_the_plans_own_tco(catalog)
     # a higher measured use makes owning cheaper per busy hour, never dearer
     [busier] = own_or_rent([use("a", "t", "h100-sxm", 2, 0, 50 * hour, util=0.9)], 100 * hour, 0, catalog)
     assert busier["own_usd"] / busier["busy_gpu_hours"] < line["own_usd"] / line["busy_gpu_hours"]
+
+
+def test_an_endpoints_tokens_are_priced_on_the_hosted_api_beside_its_devices(tmp_path, monkeypatch, capsys):
+    """A serving session of llama-3.1-8b on an H100 for an hour, 1,000 requests of 500 + 200 tokens: its hour at
+    the site's price against the cheapest hosted API's price for the same tokens (plan/data/hosted_prices.csv)."""
+    from gpuwise.cli import main
+    from gpuwise.plan.hosted import hosted_prices
+    from gpuwise.runs import db
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sacct here: the record alone
+    actual = {"requests": 1000, "seconds_up": 3600.0, "prompt_tokens": 500.0, "output_tokens": 200.0}
+    data = {"kind": "serve", "model": "llama-3.1-8b", "actual": actual, "utilization": {"count": 1, "seconds": 3599.0}}
+    db.record("serve", "cuda:h100-sxm", "llama-3.1-8b", data)
+    assert main(["fleet", "--price", "h100-sxm=2.0", "--json"]) == 0
+    [h] = json.loads(capsys.readouterr().out)["versus_hosted"]
+    cheapest = min(a.usd_in * 0.5 + a.usd_out * 0.2 for a in hosted_prices("llama-3.1-8b"))  # per 1 M in + out
+    assert (h["tokens_in"], h["tokens_out"], h["requests"]) == (500_000, 200_000, 1000)
+    assert h["own_usd"] == pytest.approx(2.0) and h["hosted_usd"] == pytest.approx(cheapest)
+    assert h["cheaper"] == ("hosted API" if cheapest < 2.0 else "own endpoint")
+    assert main(["fleet", "--price", "h100-sxm=2.0"]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "endpoint llama-3.1-8b: 1,000 requests, 0.5 M tokens in, 0.2 M out" in said and "is cheaper" in said

@@ -158,28 +158,8 @@ fi
     || echo "slurm_accounting.sh: warning: accounting_storage_mysql.so not found (package slurm-wlm-mysql-plugin)" >&2
 
 # munged (normally already started by slurm_local.sh)
-if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-    if [[ ! -s /etc/munge/munge.key ]]; then
-        if command -v mungekey >/dev/null 2>&1; then
-            mungekey --create --keyfile=/etc/munge/munge.key >/dev/null 2>&1
-        else
-            dd if=/dev/urandom of=/etc/munge/munge.key bs=1 count=1024 2>/dev/null
-        fi
-        chown munge:munge /etc/munge/munge.key; chmod 400 /etc/munge/munge.key
-    fi
-    install -d -o munge -g munge -m 0755 /run/munge
-    install -d -o munge -g munge -m 0700 /var/log/munge /var/lib/munge
-    if command -v runuser >/dev/null 2>&1; then
-        runuser -u munge -- munged >"$dir/munged.out" 2>&1
-    else
-        su -s /bin/sh munge -c munged >"$dir/munged.out" 2>&1
-    fi
-    for ((i = 0; i < 50; i++)); do
-        munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break
-        sleep 0.1
-    done
-    munge -n 2>/dev/null | unmunge >/dev/null 2>&1 || die "munged did not start (see $dir/munged.out)"
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/munge_up.sh"
+munge_up "$dir"
 
 # A running pair keeps the ports it was started with: refuse other ones.
 if [[ -s $dir/slurmdbd.conf ]] && { pid_alive "$dir/slurmdbd.pid" slurmdbd || pid_alive "$dir/mysql.pid" "$mysqld_name"; }; then

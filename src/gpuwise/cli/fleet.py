@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import re
-import time
-from dataclasses import replace
 from typing import Annotated
 
 import typer
@@ -19,15 +15,6 @@ EPILOG = (
     "Examples: gpuwise fleet · gpuwise fleet --since 7d --by user · gpuwise fleet --price h100-sxm=2.10 "
     "(your own price per GPU-hour) · gpuwise fleet --idle 30m (exit 1 when any job holds idle GPUs)"
 )
-_SPAN = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|m|h|d|w)$")
-_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def seconds(text: str, flag: str) -> float:
-    found = _SPAN.match(text.strip().lower())
-    if not found or float(found.group(1)) <= 0:
-        raise GpuwiseError(f"{flag} {text!r}: give a span such as 90s, 30m, 12h, 30d or 2w")
-    return float(found.group(1)) * _UNIT[found.group(2)]
 
 
 def fleet(
@@ -53,6 +40,14 @@ def fleet(
         str | None,
         typer.Option(help="A Ray cluster's dashboard to read jobs from [RAY_ADDRESS; none].", metavar="ADDRESS"),
     ] = None,
+    prometheus: Annotated[
+        str | None,
+        typer.Option(
+            help="A Prometheus server (http://HOST:9090) to read the use of jobs gpuwise did not measure: DCGM "
+            "exporter's GPU utilization by Slurm job (hpc_job) or pod, or gpuwise serve's own gauges.",
+            metavar="URL",
+        ),
+    ] = None,
     idle: Annotated[
         str | None,
         typer.Option(
@@ -66,47 +61,15 @@ def fleet(
 ) -> None:
     """GPU-hours allocated and busy per team, user, workload, engine or GPU; cost; idle jobs; own or rent."""
     # here, not at the top: `gpuwise --help` and the other commands start without them
-    from gpuwise.fleet import report, sources
+    from gpuwise.fleet.view import Ask, build
 
-    window = seconds(since, "--since")
-    idle_s = seconds(idle, "--idle") if idle else None
-    prices = report.parse_prices(price or [])
-    if by not in report.GROUPS:
-        report.summarize([], by, 0, load_catalog(catalog_file), {})  # the one-line refusal
-    catalog = load_catalog(catalog_file)
-    types = report.parse_gpu_types(gpu_type or [], catalog)
-    now = time.time()
-    start = now - window
-    notes: list[str] = []
-    mine, launched, note = sources.record_uses(start, now)
-    notes += [note] if note else []
-    slurm, note = sources.slurm_jobs(start, now)
-    notes += [note] if note else []
-    address = ray or os.environ.get("RAY_ADDRESS")
-    ray_uses: list = []
-    if address:
-        ray_uses, note = sources.ray_jobs(address, start)
-        notes += [note] if note else []
-    uses = [replace(u, gpu=types.get(u.gpu, u.gpu)) for u in sources.join(slurm + ray_uses, launched) + mine]
-    counts = {"slurm": len(slurm), "ray": len(ray_uses), "gpuwise": len(mine)}
-    result = {
-        "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start)),
-        "until": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
-        "by": by,
-        "sources": counts,
-        "notes": notes,
-        "groups": report.summarize(uses, by, now, catalog, prices),
-        "idlest": report.idlest(uses, now),
-        "own_or_rent": report.own_or_rent(uses, now, start, catalog),
-        "jobs": [report._job(u, now) for u in uses],
-    }
-    if idle_s is not None:
-        result["idle"] = report.idle_now(uses, now, idle_s)
+    ask = Ask(since, by, price or [], gpu_type or [], ray, prometheus, idle)
+    result = build(ask, load_catalog(catalog_file))
     if as_json:
         emit(result)
     else:
-        _show(result, idle_s)
-    if idle_s is not None and result["idle"]:  # the alarm: exit 1 (2 is bad input), for cron or CI
+        _show(result, idle)
+    if idle is not None and result["idle"]:  # the alarm: exit 1 (2 is bad input), for cron or CI
         n = len(result["idle"])
         raise GpuwiseError(f"{n} running job{'s' if n > 1 else ''} or endpoint{'s' if n > 1 else ''} held idle longer "
                            f"than {idle} (listed above)", exit_code=1)  # fmt: skip
@@ -127,7 +90,7 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
-def _show(r: dict, idle_s: float | None) -> None:
+def _show(r: dict, idle: str | None) -> None:
     for note in r["notes"]:
         console.print(f"note: {note}", highlight=False)
     s = r["sources"]
@@ -161,9 +124,15 @@ def _show(r: dict, idle_s: float | None) -> None:
             f"of it ({measured}); rented {_usd(o['rent_usd'])} ({o['rent_price']}), owned {o['gpus_needed']:g} GPUs "
             f"{_usd(o['own_usd'])} ({o['own_basis']}), busy {_pct(o['owned_utilization'])} of their hours: "
             f"{o['cheaper']} is cheaper; {other}", highlight=False)  # fmt: skip
-    if idle_s is not None:
+    for h in r["versus_hosted"]:
+        own = "-" if h["own_usd"] is None else _usd(h["own_usd"])
+        said = f"{h['cheaper']} is cheaper" if h["cheaper"] else "the devices are unpriced (--price)"
+        console.print(f"endpoint {h['model']}: {h['requests']:,} requests, {h['tokens_in'] / 1e6:.3g} M tokens in, "
+                      f"{h['tokens_out'] / 1e6:.3g} M out on {_h(h['device_hours'])} device-hours: {own}; the same "
+                      f"tokens on {h['hosted']}: {_usd(h['hosted_usd'])}; {said}", highlight=False)  # fmt: skip
+    if idle is not None:
         if not r["idle"]:
-            console.print(f"no running job or endpoint has been idle longer than {idle_s:g} s", highlight=False)
+            console.print(f"no running job or endpoint has been idle longer than {idle}", highlight=False)
         for j in r["idle"]:
             console.print(f"IDLE {j['source']} {j['job']} {j['name']} ({j['team']}/{j['user']}): {j['devices']:g} x "
                           f"{j['gpu']} idle for {j['idle_for_s']:.0f} s", highlight=False)  # fmt: skip

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwise.errors import GpuwiseError, closest
-from gpuwise.fleet.sources import Use
+from gpuwise.fleet.sources import Served, Use
 from gpuwise.hardware.catalog import Catalog
 from gpuwise.plan.cost import HOURS_PER_YEAR, onprem_cost
+from gpuwise.plan.hosted import hosted_prices
 from gpuwise.plan.request import KWH_USD, LIFE_YEARS, PlanRequest
 
 GROUPS = ("team", "user", "workload", "engine", "gpu")
@@ -178,3 +179,35 @@ def _peak_concurrent(members: list[Use], now: float) -> float:
         level += delta
         peak = max(peak, level)
     return peak
+
+
+def versus_hosted(served: list[Served], catalog: Catalog, prices: dict[str, Price]) -> list[dict]:
+    """Per served model with a hosted API in the price table (plan/data/hosted_prices.csv): the tokens its
+    sessions served, what the devices held for them cost, and the cheapest hosted API's price for the same
+    tokens."""
+    by_model: dict[str, list[Served]] = defaultdict(list)
+    for s in served:
+        by_model[s.model].append(s)
+    out = []
+    for model, sessions in sorted(by_model.items()):
+        apis = hosted_prices(model)
+        if not apis:
+            continue
+        tokens_in, tokens_out = sum(s.tokens_in for s in sessions), sum(s.tokens_out for s in sessions)
+        own, priced = 0.0, True
+        for s in sessions:
+            p = price_of(s.gpu, catalog, prices)
+            priced &= p is not None
+            own += s.devices * s.seconds / 3600 * (p.usd_per_hour if p else 0)
+        api = min(apis, key=lambda a: a.usd_in * tokens_in + a.usd_out * tokens_out)
+        hosted = (api.usd_in * tokens_in + api.usd_out * tokens_out) / 1e6
+        out.append({
+            "model": model, "sessions": len(sessions), "requests": sum(s.requests for s in sessions),
+            "tokens_in": tokens_in, "tokens_out": tokens_out,
+            "device_hours": sum(s.devices * s.seconds / 3600 for s in sessions),
+            "own_usd": own if priced else None,
+            "hosted_usd": hosted,
+            "hosted": f"{api.provider} {api.api_model} (${api.usd_in}/M in, ${api.usd_out}/M out, as of {api.as_of})",
+            "cheaper": None if not priced else ("hosted API" if hosted < own else "own endpoint"),
+        })  # fmt: skip
+    return out

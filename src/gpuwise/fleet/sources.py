@@ -180,7 +180,22 @@ def _iso(text: str) -> float:
     return float(calendar.timegm(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ")))
 
 
-def record_uses(since: float, now: float) -> tuple[list[Use], dict[tuple[str, str], dict], str | None]:
+@dataclass(frozen=True)
+class Served:
+    """What one serving session served, for the hosted API's price of the same tokens."""
+
+    model: str
+    gpu: str
+    devices: float
+    seconds: float  # the server's life
+    requests: int
+    tokens_in: float
+    tokens_out: float
+
+
+def record_uses(
+    since: float, now: float, served: list[Served] | None = None
+) -> tuple[list[Use], dict[tuple[str, str], dict], str | None]:
     """gpuwise's own record: local training runs and serving sessions as uses; and by (engine, job id) the jobs
     gpuwise launched and the runs measured inside an engine's job (summary.utilization.job), so that a Slurm or
     Ray job gets its workload, team and measured use."""
@@ -227,9 +242,15 @@ def record_uses(since: float, now: float) -> tuple[list[Use], dict[tuple[str, st
                                    d.get("utilization")))  # fmt: skip
         elif r["kind"] == "serve":
             used = d.get("utilization") or {}
-            span = float(used.get("seconds") or 0)
+            actual = d.get("actual") if isinstance(d.get("actual"), dict) else {}
+            span = float(actual.get("seconds_up") or used.get("seconds") or 0)
             gpu = r["device"].split(":", 1)[1] if r["device"].startswith("cuda:") else "cpu"
             devices = float(used.get("count") or 1)
+            asked = int(actual.get("requests") or 0)
+            if served is not None:  # tokens: requests x their mean lengths (the session keeps means, not sums)
+                served.append(Served(r["name"], gpu, devices, span, asked,
+                                     asked * float(actual.get("prompt_tokens") or 0),
+                                     asked * float(actual.get("output_tokens") or 0)))  # fmt: skip
             uses.append(with_usage(Use("gpuwise", f"record #{r['id']}", r["name"], user, team, r["name"], "endpoint",
                                        gpu, devices, end - span, end, "STOPPED"), d.get("utilization")))  # fmt: skip
     return uses, launched, None

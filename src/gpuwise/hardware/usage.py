@@ -295,10 +295,11 @@ def job_label() -> str:
 
 def usage_gauges(registry: Any, sampler: Sampler, run: str) -> None:
     """The sampler's latest figures as Prometheus gauges, labelled with the run and the engine's job: what
-    Prometheus scrapes from /metrics and `gpuwise fleet` can join to Slurm jobs or pods."""
+    Prometheus scrapes from /metrics and `gpuwise fleet` can join to Slurm jobs or pods. The job's label is
+    `hpc_job`, as DCGM exporter names it: Prometheus keeps `job` for its own scrape job (and would rename ours)."""
     from prometheus_client import Gauge
 
-    labels = {"run": run, "job": job_label(), "device": sampler.probe.kind}
+    labels = {"run": run, "hpc_job": job_label(), "device": sampler.probe.kind}
 
     def gauge(name: str, doc: str, read) -> None:
         g = Gauge(name, doc, list(labels), registry=registry)

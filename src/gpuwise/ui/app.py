@@ -27,6 +27,8 @@ from fastapi.staticfiles import StaticFiles
 
 from gpuwise.errors import GpuwiseError
 from gpuwise.files import to_json
+from gpuwise.fleet.view import Ask as FleetAsk
+from gpuwise.fleet.view import build as build_fleet
 from gpuwise.hardware.catalog import load_catalog
 from gpuwise.plan.endpoint import serving_plan
 from gpuwise.plan.planner import plan_for
@@ -340,6 +342,12 @@ def report(request: Request, run: str) -> HTMLResponse:
 @router.get("/api/bench")
 def bench() -> JSONResponse:
     return _json(bench_rows())
+
+
+@router.get("/api/fleet")
+def fleet(request: Request, since: str = "30d", by: str = "team") -> JSONResponse:
+    """`gpuwise fleet --json`'s figures, with its charts' series: what the Fleet page draws."""
+    return _json(build_fleet(FleetAsk(since=since, by=by), load_catalog(_state(request).catalog_files)))
 
 
 @router.get("/api/models")

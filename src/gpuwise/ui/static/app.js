@@ -726,6 +726,60 @@ async function showBench() {
   $("#benchout").replaceChildren(el("p", { text: `Bench #${rows[0].key}, ${rows[0].created}, ${b.size}, torch ${b.torch}, ${b.threads} threads` }), el("div", { class: "charts" }, charts));
 }
 
+// --- Fleet --------------------------------------------------------------------------------------------
+// `gpuwise fleet --json`'s figures: device-hours by group over time, the measured use as a histogram, the
+// groups' table, and the lines the CLI prints under it.
+async function showFleet(params) {
+  const since = params.get("since") || $("#fsince").value || "30d", by = params.get("by") || $("#fby").value || "team";
+  $("#fsince").value = since;
+  $("#fby").value = by;
+  const f = await api(`/api/fleet?${new URLSearchParams({ since, by })}`);
+  const out = [el("p", { text: `${f.since} to ${f.until}: ${f.sources.slurm} Slurm jobs (sacct), ${f.sources.ray} Ray jobs, ${f.sources.gpuwise} gpuwise runs and sessions (the record)` })];
+  for (const n of f.notes) out.push(el("p", { class: "notes", text: `note: ${n}` }));
+  const t = f.timeline, names = Object.keys(t.series), per = t.bucket_s === 3600 ? "hour" : "day";
+  const h = f.histogram;
+  // a test's or a quiet week's seconds read as seconds, not as 0.0000600 hours
+  const top = Math.max(0, ...names.flatMap((n) => t.series[n]), ...h.device_hours);
+  const [k, word] = top >= 1 ? [1, "hours"] : top >= 1 / 60 ? [60, "minutes"] : [3600, "seconds"];
+  const unitOf = (u) => u.replace("hours", word);
+  const charts = [];
+  if (names.length) {
+    const x0 = t.starts[0], step = t.bucket_s;
+    charts.push(lineChart(names.map((name, i) => ({ label: name, color: COLORS[i % COLORS.length],
+      points: t.starts.map((s, j) => [(s - x0) / step, k * t.series[name][j]]) })),
+      { title: `${unitOf(t.unit)} by ${f.by}, per ${per}`, xlabel: `${per}s since ${f.since.slice(0, 16).replace("T", " ")} UTC`, ylabel: `${unitOf(t.unit)} per ${per}` }));
+  }
+  if (h.device_hours.some((v) => v > 0)) {
+    charts.push(bars(h.device_hours.map((v, i) => ({ label: `${Math.round(100 * h.bins[i])}-${Math.round(100 * h.bins[i + 1])} % busy`, value: k * v, text: `${num(k * v)} ${word.slice(0, 3)}` })),
+      { title: `Measured ${unitOf(h.unit)} by utilization`, xlabel: unitOf(h.unit), note: "measured by gpuwise while each run ran (NVML on a GPU, the CPU share on a CPU), or read from Prometheus" }));
+  }
+  if (charts.length) out.push(el("div", { class: "charts" }, charts));
+  if (!f.groups.length) out.push(el("p", { text: "Nothing ran in this window: no Slurm job in the accounting, no Ray job, no run in the record." }));
+  else out.push(el("table", { id: "fleettable" },
+    el("thead", {}, el("tr", {}, [f.by, "jobs", "GPU-h", "CPU core-h", "busy (measured)", "utilization", "idle", "cost"].map((c) => el("th", { text: c })))),
+    el("tbody", {}, f.groups.map((g) => el("tr", {},
+      el("td", { text: g[f.by] }), el("td", { text: g.jobs }), el("td", { text: num(g.gpu_hours) }), el("td", { text: num(g.cpu_core_hours) }),
+      el("td", { text: g.busy_hours == null ? "-" : `${num(g.busy_hours)} of ${num(g.measured_hours)}` }),
+      el("td", { text: pct(g.utilization) }), el("td", { text: pct(g.idle_share) }), el("td", { text: usd(g.usd) }))))));
+  const prices = [...new Set(f.groups.flatMap((g) => g.price_sources))];
+  if (prices.length) out.push(el("p", { class: "notes", text: `cost at: ${prices.join("; ")}` }));
+  if (f.idlest.length) out.push(el("h3", { text: "Held idle longest" }), el("ul", { id: "idlest" }, f.idlest.map((j) =>
+    el("li", { text: `${j.source} ${j.job} ${j.name} (${j.team}/${j.user}, ${j.devices} x ${j.gpu}): ${num(j.idle_device_hours)} h idle of ${num(j.device_hours)}, utilization ${pct(j.utilization)}` }))));
+  for (const o of f.own_or_rent) {
+    out.push(el("p", { class: "ownrent", text: `${o.gpu}: ${num(o.allocated_gpu_hours)} GPU-h allocated, busy ${pct(o.busy_share_of_allocation)} of it (${o.utilization_measured ? "measured" : "not measured"}); rented ${usd(o.rent_usd)} (${o.rent_price}), owned ${o.gpus_needed} GPUs ${usd(o.own_usd)}: ${o.cheaper} is cheaper${o.breakeven_utilization ? `; owning wins from ${pct(o.breakeven_utilization)} of the owned GPUs' hours busy` : ""}` }));
+  }
+  for (const v of f.versus_hosted) {
+    out.push(el("p", { class: "ownrent", text: `endpoint ${v.model}: ${v.requests} requests on ${num(v.device_hours)} device-hours, ${usd(v.own_usd)}; the same tokens on ${v.hosted}: ${usd(v.hosted_usd)}${v.cheaper ? `; ${v.cheaper} is cheaper` : ""}` }));
+  }
+  $("#fleetout").replaceChildren(...out);
+}
+function fleetQuery() {
+  history.pushState(null, "", `?${new URLSearchParams({ page: "fleet", since: $("#fsince").value, by: $("#fby").value })}`);
+  route();
+}
+$("#fsince").addEventListener("change", fleetQuery);
+$("#fby").addEventListener("change", fleetQuery);
+
 // --- routing ------------------------------------------------------------------------------------------
 async function route() {
   const params = new URLSearchParams(location.search);
@@ -734,13 +788,14 @@ async function route() {
   const parent = page === "run" || page === "compare" ? "runs" : page;
   for (const a of document.querySelectorAll("nav a")) a.classList.toggle("active", a.dataset.page === parent);
   clearTimeout(runTimer);
-  const where = { plan: "#planerror", runs: "#runsout", run: "#runout", compare: "#compareout", bench: "#benchout", models: "#modelsout" }[page] || "#planerror";
+  const where = { plan: "#planerror", runs: "#runsout", run: "#runout", compare: "#compareout", bench: "#benchout", fleet: "#fleetout", models: "#modelsout" }[page] || "#planerror";
   try {
     if (page === "plan") await showPlan(params);
     else if (page === "runs") await showRuns();
     else if (page === "run") await showRun(params.get("key") || "");
     else if (page === "compare") await showCompare(params.get("a") || "", params.get("b") || "");
     else if (page === "bench") await showBench();
+    else if (page === "fleet") await showFleet(params);
     else if (page === "models") await showModels();
   } catch (e) {
     $(where).replaceChildren(el("p", { class: "err", role: "alert", text: e.error || String(e) }));
