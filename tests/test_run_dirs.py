@@ -48,11 +48,13 @@ def one_line(capsys, argv, needle: str | tuple[str, ...]) -> str:
 
 @pytest.fixture(scope="module")
 def finished(cells, tmp_path_factory):
-    """A finished defects run (2 steps, checkpoints at 1 and 2), copied by each test that breaks it."""
+    """A finished defects run (2 steps, checkpoints at 1 and 2), copied by each test that breaks it. Trained in a
+    process of its own, as the resumes that are compared with it bitwise are: pytest's own process carries what
+    earlier tests left in torch (its threads), and a step computed with other threads is not bitwise the same."""
     run = tmp_path_factory.mktemp("finished") / "run"
-    with pytest.MonkeyPatch.context() as mp:  # a module fixture runs before conftest's private record
-        mp.setenv("GPUWISE_DB", str(run.parent / "runs.sqlite"))
-        assert main(defects(cells, run, "--max-steps", "2", "--checkpoint-every", "1")) == 0
+    env = dict(os.environ, GPUWISE_DB=str(run.parent / "runs.sqlite"))  # not conftest's per-test record
+    done = cli(defects(cells, run, "--max-steps", "2", "--checkpoint-every", "1"), env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
     return run
 
 

@@ -157,3 +157,14 @@ def test_an_endpoints_tokens_are_priced_on_the_hosted_api_beside_its_devices(tmp
     assert main(["fleet", "--price", "h100-sxm=2.0"]) == 0
     said = " ".join(capsys.readouterr().out.split())
     assert "endpoint llama-3.1-8b: 1,000 requests, 0.5 M tokens in, 0.2 M out" in said and "is cheaper" in said
+
+
+def test_a_job_older_than_the_window_counts_only_its_hours_inside_it(catalog):
+    """A 90-day endpoint in a 30-day view: 30 days of device-hours in the groups, its whole 90 days as a job."""
+    from dataclasses import replace
+
+    day = 86400.0
+    old = replace(use("ep", "t", "h100-sxm", 2, 0, None), window_start=60 * day)
+    [row] = summarize([old], "team", 90 * day, catalog, {})
+    assert row["gpu_hours"] == pytest.approx(2 * 30 * 24)
+    assert old.seconds(90 * day) == 90 * day

@@ -42,12 +42,16 @@ class Use:
     idle_tail_s: float | None = None  # seconds idle at the end (a running job's idle time so far)
     util_source: str | None = None
     run_dir: str | None = None
+    window_start: float | None = None  # the fleet's --since: hours before it count in no figure
 
     def seconds(self, now: float) -> float:
+        """The job's whole time, as its engine counts it."""
         return max(0.0, (self.end if self.end is not None else now) - self.start)
 
     def device_hours(self, now: float) -> float:
-        return self.devices * self.seconds(now) / 3600
+        """Device-hours within the window: a 90-day endpoint counts 30 days in a 30-day view."""
+        begin = max(self.start, self.window_start) if self.window_start is not None else self.start
+        return self.devices * max(0.0, (self.end if self.end is not None else now) - begin) / 3600
 
     @property
     def running(self) -> bool:

@@ -61,7 +61,8 @@ def build(ask: Ask, catalog: Catalog, now: float | None = None) -> dict[str, Any
     if address:
         ray_uses, note = sources.ray_jobs(address, start)
         notes += [note] if note else []
-    uses = [replace(u, gpu=types.get(u.gpu, u.gpu)) for u in sources.join(slurm + ray_uses, launched) + mine]
+    uses = [replace(u, gpu=types.get(u.gpu, u.gpu), window_start=start)
+            for u in sources.join(slurm + ray_uses, launched) + mine]  # fmt: skip
     if ask.prometheus:
         # here, not at the top: only with --prometheus
         from gpuwise.fleet.prometheus import with_prometheus
