@@ -127,6 +127,17 @@ DtypeOpt = Annotated[
     ),
 ]
 
+WEIGHTS = ("auto", "bf16", "int8", "int4")
+WeightsOpt = Annotated[
+    str,
+    typer.Option(
+        help="Language models on gpuwise's engine: the weights it holds. auto: as --dtype; bf16; int8 (llama.cpp's "
+        "Q8_0 blocks, 8.5 bits a weight) or int4 (Q4_1 layers, 5 bits, the output layer Q8_0), quantized at load "
+        "from the model's weights and read by the CPU kernels as they are stored (docs/serving.md, \"Fewer bytes per "
+        "token\")."
+    ),
+]
+
 EngineOpt = Annotated[
     str,
     typer.Option(
@@ -221,6 +232,7 @@ def serve(
     prefix_cache: PrefixCacheOpt = 4096,
     max_model_len: MaxModelLenOpt = 0,
     dtype: DtypeOpt = "auto",
+    weights: WeightsOpt = "auto",
     engine: EngineOpt = "auto",
     vllm_python: VllmPythonOpt = None,
     llama_server: LlamaServerOpt = None,
@@ -279,6 +291,10 @@ def serve(
             raise GpuwiseError(f"{flag} must be a number, not nan")
     if runtime not in ("torch", "onnx"):
         raise GpuwiseError(f"--runtime {runtime}: choose torch or onnx")
+    if weights not in WEIGHTS:
+        raise GpuwiseError(f"--weights {weights}: choose {', '.join(WEIGHTS)}")
+    if weights in ("int8", "int4") and engine == "auto":
+        engine = "gpuwise"  # the quantized weights are gpuwise's engine's
     if api_key_file is not None:
         if api_key is not None:
             raise GpuwiseError("give the key once: --api-key (or GPUWISE_API_KEY) or --api-key-file, not both")
@@ -306,7 +322,7 @@ def serve(
     chosen = choose_engine(engine, list(target.refs), max_seqs, dtype, vllm_python, llama_server)
     chosen = _set_threads(chosen, threads)
     # start
-    served = load(target, chosen, runtime, limits, dtype, vllm_timeout)
+    served = load(target, chosen, runtime, limits, dtype, vllm_timeout, weights)
     name = str(run_dir) if run_dir is not None else target.refs[0][0]  # --model alone: /v1/info names the first
     settings = Settings(name, runtime, max_batch, max_wait_ms, api_key, limits, list(cors_origin or []), host=host,
                         allowed_hosts=list(allowed_host or []))  # fmt: skip

@@ -17,6 +17,10 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # NF4 with double quantization (QLoRA, arXiv 2305.14314): 4 bits per weight, plus 8-bit absmax per
 # block of 64 and one fp32 second-level constant per 256 blocks: 4 + 8/64 + 32/(64*256) bits.
 NF4_BITS = 4 + 8 / 64 + 32 / (64 * 256)
+# Weights served quantized (`gpuwise serve --weights`): bits per weight of the layers' linears and of the rest
+# (embedding, output layer), in llama.cpp's block formats: Q8_0 is 32 int8 and an fp16 scale (34 bytes per 32),
+# Q4_1 32 nibbles, an fp16 scale and minimum (20 bytes per 32); gpuwise's int4 keeps the output layer at Q8_0.
+SERVED_BITS = {"int8": (8.5, 8.5), "int4": (5.0, 8.5)}
 # Optimizer state bytes per trainable parameter, before any fp32 master copy.
 OPTIMIZER_STATE = {"adamw": 8, "adamw-8bit": 2, "sgd": 4}  # sgd: momentum buffer
 
@@ -106,6 +110,15 @@ def kv_cache_bytes(model: ModelSpec, req: PlanRequest, layout: Layout) -> float:
     per_token = kv_bytes_per_token(model.layers / layout.pp, model.kv_heads, model.head_dim, BYTES[req.precision],
                                    layout.tp)  # fmt: skip
     return per_token * req.batch * (req.seq + req.generated)
+
+
+def served_weight_bytes(model: ModelSpec, weights: str) -> float:
+    """Bytes of a model's weights served in `weights` (SERVED_BITS: int8, int4; else 2-byte bf16)."""
+    if weights not in SERVED_BITS:
+        return model.params * 2.0
+    layers_bits, rest_bits = SERVED_BITS[weights]
+    linear = model.layers * model.layer_linear_params
+    return (linear * layers_bits + (model.params - linear) * rest_bits) / 8
 
 
 def weight_bytes(model: ModelSpec, req: PlanRequest) -> float:

@@ -16,6 +16,7 @@ from gpuwise.hardware.devices import llm_device_dtype
 from gpuwise.plan.bases import NAMED_BASES
 from gpuwise.plan.model import read_gguf_header
 from gpuwise.serve.engines.gpuwise.backend import WHY, gpuwise_backends
+from gpuwise.serve.engines.gpuwise.quant import QUANTIZED
 from gpuwise.serve.engines.llamacpp import DTYPES, LlamaCppBackend
 from gpuwise.serve.engines.vllm import VLLMBackend
 from gpuwise.serve.llm.core import LLM
@@ -45,9 +46,16 @@ class Target:
         return cls(ref, tuple(specs or ()), tuple(refs))
 
 
-def load(target: Target, chosen: Chosen, runtime: str, limits: Limits, dtype: str, timeout_s: float) -> Served:
+def load(
+    target: Target, chosen: Chosen, runtime: str, limits: Limits, dtype: str, timeout_s: float, weights: str = "auto"
+) -> Served:
     """The served object for `target` on the engine `chosen`: the one place a choice becomes a server."""
     refs = list(target.refs)
+    if weights in QUANTIZED and chosen.engine != "gpuwise":
+        raise GpuwiseError(
+            f"--weights {weights} quantizes for gpuwise's engine (--engine gpuwise); {chosen.engine} serves a "
+            "quantized GGUF as it ships (give the .gguf, or --dtype q8_0 on llama.cpp)"
+        )
     if refs and runtime != "torch":
         raise GpuwiseError("--runtime onnx applies to image and ranking runs; a language model runs on torch")
     if chosen.engine == "vllm":
@@ -57,29 +65,32 @@ def load(target: Target, chosen: Chosen, runtime: str, limits: Limits, dtype: st
         assert chosen.llama_server is not None
         return load_llamacpp(refs, limits, dtype, chosen.llama_server, timeout_s, chosen.why)
     if target.specs:
-        return load_models(refs, limits, dtype, chosen.why)
+        return load_models(refs, limits, dtype, chosen.why, weights)
     assert target.ref is not None
     if is_model(target.ref):
-        return load_model(target.ref, limits, dtype=dtype, why=chosen.why)
-    return load_served(Path(target.ref), runtime, limits, dtype, chosen.why)[0]
+        return load_model(target.ref, limits, dtype=dtype, why=chosen.why, weights=weights)
+    return load_served(Path(target.ref), runtime, limits, dtype, chosen.why, weights)[0]
 
 
-def gpuwise_llm(groups: list, limits: Limits, dtype: str, why: str, **about: str) -> LLM:
-    """(model, tokenizer, [(model id, adapter)]) groups behind the OpenAI front on gpuwise's own engine."""
-    device, dtype = llm_device_dtype(dtype)
-    backends = gpuwise_backends(groups, limits, dtype, device)
+def gpuwise_llm(groups: list, limits: Limits, dtype: str, why: str, weights: str = "auto", **about: str) -> LLM:
+    """(model, tokenizer, [(model id, adapter)]) groups behind the OpenAI front on gpuwise's own engine; `weights`
+    (auto: the dtype's) bf16, or int8 / int4 quantized at load (quant.py)."""
+    device, dtype = llm_device_dtype("bf16" if dtype == "auto" and weights == "bf16" else dtype)
+    if weights == "bf16" and dtype != "bf16":
+        raise GpuwiseError(f"--weights bf16 with --dtype {dtype}: give one of them")
+    backends = gpuwise_backends(groups, limits, dtype, device, weights)
     return LLM(backends, limits, dtype, device, f"engine: gpuwise ({why})", **about)
 
 
 def load_served(
-    run_dir: Path, runtime: str, limits: Limits, dtype: str = "auto", why: str = WHY
+    run_dir: Path, runtime: str, limits: Limits, dtype: str = "auto", why: str = WHY, weights: str = "auto"
 ) -> tuple[Served, object]:
     cfg = open_finished(run_dir)
     with loading_model(run_dir):
         served = cfg.workload_def().serve(run_dir, cfg, runtime, limits)
         if isinstance(served, CausalLM):
             group = (served.model, served.tok, [(served.name, None)])
-            served = gpuwise_llm([group], limits, dtype, why, workload=cfg.workload, about=served.description)
+            served = gpuwise_llm([group], limits, dtype, why, weights, workload=cfg.workload, about=served.description)
         return served, cfg
 
 
@@ -127,7 +138,9 @@ def check_gguf(ref: str) -> None:
         read_gguf_header(path)
 
 
-def load_model(ref: str, limits: Limits, name: str | None = None, dtype: str = "auto", why: str = WHY) -> LLM:
+def load_model(
+    ref: str, limits: Limits, name: str | None = None, dtype: str = "auto", why: str = WHY, weights: str = "auto"
+) -> LLM:
     """A language model that is not a gpuwise run (a named base, a .gguf file, a model directory, a hub
     id) behind the OpenAI API, on gpuwise's engine."""
     check_gguf(ref)
@@ -141,7 +154,7 @@ def load_model(ref: str, limits: Limits, name: str | None = None, dtype: str = "
     if tok.eos_token_id is None:
         raise GpuwiseError(f"serve {ref}: its tokenizer has no end-of-text token")
     about = source if source != ref else ""
-    return gpuwise_llm([(model, tok, [(name or model_id(ref), None)])], limits, dtype, why, about=about)
+    return gpuwise_llm([(model, tok, [(name or model_id(ref), None)])], limits, dtype, why, weights, about=about)
 
 
 def model_groups(
@@ -175,7 +188,9 @@ def model_groups(
     return groups
 
 
-def load_models(specs: list[tuple[str, str]], limits: Limits, dtype: str = "auto", why: str = WHY) -> LLM:
+def load_models(
+    specs: list[tuple[str, str]], limits: Limits, dtype: str = "auto", why: str = WHY, weights: str = "auto"
+) -> LLM:
     """Several language models in one server (`--model NAME=REF`, repeatable) on gpuwise's engine: LoRA runs
     over the same base share one copy of it and one running batch, and a base named too is served from that
     same copy."""
@@ -197,7 +212,7 @@ def load_models(specs: list[tuple[str, str]], limits: Limits, dtype: str = "auto
         if tok.eos_token_id is None:
             raise GpuwiseError(f"--model {source}: its tokenizer has no end-of-text token")
         built.append((model, tok, [(n, n if a is not None else None) for n, a in entries]))
-    return gpuwise_llm(built, limits, dtype, why)
+    return gpuwise_llm(built, limits, dtype, why, weights)
 
 
 def load_vllm(specs: list[tuple[str, str]], limits: Limits, dtype: str, python: str, timeout_s: float, why: str):

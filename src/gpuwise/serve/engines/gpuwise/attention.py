@@ -36,18 +36,21 @@ from pathlib import Path
 
 import torch
 
+from gpuwise.serve.engines.gpuwise.quant import QuantWeight
 from gpuwise.workloads.pretrained import cache_root
 
 log = logging.getLogger("gpuwise.serve")
 
 SOURCE = Path(__file__).with_name("kernels") / "decode_attention.cpp"
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
+FLAGS.append("-mf16c")  # the block formats' fp16 scales
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 GEMV_ROWS = 8  # kernels/decode_attention.cpp kMaxRows: the whole-step kernel's rows at most
 # A product alone (a step the whole-step kernel does not take: LoRA rows) goes to the product kernel up to this
 # many rows, to oneDNN or MKL above: against oneDNN's packed bf16 product 1.02x, 1.10x, 0.96x, 0.79x at 1, 2, 4,
 # 8 rows (benchmarks/engine_step.py, docs/serving.md "One stream")
 GEMV_ROWS_ALONE = 2
+PLAIN = 0  # the kernels' weight format for a weight in the activations' own dtype (quant.py's ggml type ids else)
 
 
 class DecodeAttention:
@@ -59,11 +62,13 @@ class DecodeAttention:
         self.fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, *[i64] * 11, ctypes.c_float]
         self.fn.restype = ctypes.c_int
         self.gemv_fn = lib.gpuwise_gemv
-        self.gemv_fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, *[i64] * 4]
+        self.gemv_fn.argtypes = [ctypes.c_int, ctypes.c_int, ptr, ptr, ptr, ptr, *[i64] * 4]
         self.gemv_fn.restype = ctypes.c_int
         self.step_fn = lib.gpuwise_decode_step
         f32 = ctypes.c_float
-        self.step_fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, f32, ptr, ptr, *[i64] * 10]
+        c_int = ctypes.c_int
+        formats = [c_int, c_int, c_int]  # the activations' dtype, the layers' and the output layer's weight formats
+        self.step_fn.argtypes = [*formats, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, f32, ptr, ptr, *[i64] * 10]
         self.step_fn.restype = ctypes.c_int
 
     def supports(self, dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
@@ -134,9 +139,33 @@ class DecodeAttention:
         out = torch.empty((*x.shape[:-1], outs), dtype=x.dtype)
         b = 0 if bias is None else bias.data_ptr()
         ptrs = (x.data_ptr(), weight.data_ptr(), b, out.data_ptr())
-        rc = self.gemv_fn(DTYPES[x.dtype], *ptrs, rows, outs, width, weight.stride(0))
+        rc = self.gemv_fn(DTYPES[x.dtype], PLAIN, *ptrs, rows, outs, width, weight.stride(0))
         if rc:
             raise ValueError(f"gemv: the kernel does not take {rows} x {width} by {outs} x {width}")
+        return out
+
+    def qgemv(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear(x, dequantize(weight), bias) for x [..., I] of any number of rows (fp32 or bf16) and a weight
+        in one of llama.cpp's block formats (quant.py), read as it is stored: a few rows read it once at the
+        memory's speed, more rows dequantize a few of its rows at a time into the cache and multiply them there."""
+        width, outs = x.shape[-1], weight.rows
+        rows = x.numel() // width if width else 0
+        if (
+            x.dtype not in DTYPES
+            or weight.cols != width
+            or weight.data.dtype != torch.uint8
+            or not weight.data.is_contiguous()
+            or rows < 1
+            or (bias is not None and (bias.dtype != x.dtype or bias.shape != (outs,) or not bias.is_contiguous()))
+        ):
+            shape = f"{weight.rows}x{weight.cols} {weight.fmt.name}"
+            raise ValueError(f"qgemv: x {tuple(x.shape)} {x.dtype}, weight {shape}")
+        x = x.contiguous()
+        out = torch.empty((*x.shape[:-1], outs), dtype=x.dtype)
+        b = 0 if bias is None else bias.data_ptr()
+        ptrs = (x.data_ptr(), weight.data.data_ptr(), b, out.data_ptr())
+        if self.gemv_fn(DTYPES[x.dtype], weight.fmt.ggml_type, *ptrs, rows, outs, width, 0):
+            raise ValueError(f"qgemv: the kernel does not take {rows} x {width} by {weight.fmt.name} {outs} x {width}")
         return out
 
 

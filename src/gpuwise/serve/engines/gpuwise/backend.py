@@ -4,16 +4,20 @@ share it), its weights cast and packed, its forward fused where the model allows
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
+from gpuwise.errors import GpuwiseError
 from gpuwise.hardware.devices import free_memory
-from gpuwise.plan.memory import BYTES, weight_bytes
+from gpuwise.plan.memory import BYTES, served_weight_bytes, weight_bytes
 from gpuwise.plan.request import PlanRequest
 from gpuwise.plan.serving import ServingPlan, plan_server, usable_bytes
 from gpuwise.serve.engines.base import EngineStats
-from gpuwise.serve.engines.gpuwise.decoder import fused_decoder
+from gpuwise.serve.engines.gpuwise.decoder import NotQuantizable, fused_decoder
 from gpuwise.serve.engines.gpuwise.engine import Engine
 from gpuwise.serve.engines.gpuwise.packed import MKL, ONEDNN, mkl_fits, pack_linears, packing
+from gpuwise.serve.engines.gpuwise.quant import QUANTIZED
 from gpuwise.workloads.pretrained import spec_of
 from gpuwise.workloads.serving import Limits
 
@@ -24,8 +28,12 @@ WHY = "gpuwise's own continuous-batching engine"  # the engine line where nobody
 class GpuwiseBackend:
     """One loaded model (a base, with the LoRA adapters that share it), its tokenizer, and its engine."""
 
-    def __init__(self, model, tok, limits: Limits, dtype: str, device: str, stats: EngineStats | None = None):
+    def __init__(
+        self, model, tok, limits: Limits, dtype: str, device: str, stats: EngineStats | None = None,
+        weights: str = "auto",
+    ):  # fmt: skip
         self.tok, self.precision = tok, dtype
+        self.weights = weights if weights in QUANTIZED else dtype
         torch_dtype = TORCH_DTYPES[dtype]
         self.model = model.to(device, torch_dtype).eval()
         free = free_memory(device)
@@ -34,7 +42,13 @@ class GpuwiseBackend:
         if self.pack == MKL:
             fits, self.pack_note = mkl_fits(self.model, usable_bytes(free, device))
             self.pack = self.pack if fits else None
-        self.decoder, self.forward_note = fused_decoder(self.model, self.pack)
+        try:
+            self.decoder, self.forward_note = fused_decoder(self.model, self.pack, self.weights)
+        except NotQuantizable as e:
+            raise GpuwiseError(str(e)) from None
+        if self.weights in QUANTIZED:
+            gc.collect()  # the plain weights just dropped: what is free now sizes the KV cache
+            free = free_memory(device)
         if self.decoder is not None:
             self.packed, self.packed_bytes = self.decoder.packed()
         else:
@@ -73,11 +87,19 @@ class GpuwiseBackend:
         """What `gpuwise plan` counts for this model here, and so how many sequences the engine admits."""
         precision = "bf16" if self.precision == "fp16" else self.precision  # the planner's 2-byte name
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        weights = weight_bytes(spec_of(base), PlanRequest(task="inference", batch=1, seq=1, gen=0, precision=precision))
+        spec = spec_of(base)
+        if self.weights in QUANTIZED:
+            weights = served_weight_bytes(spec, self.weights)
+        else:
+            weights = weight_bytes(spec, PlanRequest(task="inference", batch=1, seq=1, gen=0, precision=precision))
         plan = self.serving
         prefix = self.engine.prefixes
+        held = self.decoder.held_bytes() if self.decoder is not None else None
+        label = f"{self.weights} weights, {precision} KV" if self.weights in QUANTIZED else precision
         return (
-            f"plan ({precision}, gpuwise plan's formulas): weights {weights / 1e9:.2f} GB, KV cache "
+            f"plan ({label}, gpuwise plan's formulas): weights {weights / 1e9:.2f} GB"
+            + (f" (held: {held / 1e9:.3f} GB, measured)" if held is not None else "")
+            + ", KV cache "
             f"{plan.kv_bytes_per_token / 1024:.1f} KiB per token ({BYTES[precision]} bytes x 2 x layers x KV heads x "
             f"head dim); budget {plan.kv_budget:,} tokens ({plan.source}): up to {plan.slots} sequences at once, "
             f"{plan.at_full_context:,} of them at the full context of {plan.context:,}"
@@ -99,9 +121,9 @@ class GpuwiseBackend:
         return f"; {self.packed} weight matrices packed for {self.pack}{extra}"
 
 
-def gpuwise_backends(groups: list, limits: Limits, dtype: str, device: str) -> list:
+def gpuwise_backends(groups: list, limits: Limits, dtype: str, device: str, weights: str = "auto") -> list:
     """[(GpuwiseBackend, [(model id, adapter)])] for (model, tokenizer, [(model id, adapter)]) groups: an adapter
     name picks a LoRA adapter loaded into that (peft) model, None the base itself. The adapters of one base share
     its weights and its running batch: each row of a step runs its own adapter (peft's mixed-adapter batches),
     as vLLM serves LoRA modules."""
-    return [(GpuwiseBackend(model, tok, limits, dtype, device), names) for model, tok, names in groups]
+    return [(GpuwiseBackend(model, tok, limits, dtype, device, weights=weights), names) for model, tok, names in groups]

@@ -29,6 +29,7 @@ from gpuwise.serve.engines.gpuwise import attention
 from gpuwise.serve.engines.gpuwise.attention import GEMV_ROWS, GEMV_ROWS_ALONE
 from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
 from gpuwise.serve.engines.gpuwise.packed import ONEDNN, Packed, PackedLinear
+from gpuwise.serve.engines.gpuwise.quant import WEIGHTS, QuantWeight, dequantize, quantize
 
 log = logging.getLogger("gpuwise.serve")
 
@@ -44,21 +45,35 @@ FAMILY = {"llama", "mistral", "qwen2"}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 
 
-def fused_decoder(model, pack: str | None) -> tuple[FusedDecoder | None, str]:
+class NotQuantizable(ValueError):
+    """`--weights int8/int4` asked of a model or a machine the quantized kernels do not serve: why, in one line."""
+
+
+def fused_decoder(model, pack: str | None, weights: str = "bf16") -> tuple[FusedDecoder | None, str]:
     """The fused forward for `model` where it covers it and agrees with transformers' at load, else None;
-    and one line saying which forward serves it, and why."""
+    and one line saying which forward serves it, and why. `weights` int8 or int4: its products then hold
+    quantized weights alone (quant.py), checked against transformers' before they are quantized; a model or
+    machine that cannot serve them raises NotQuantizable."""
     why = unsupported(model)
+    quantized = WEIGHTS.get(weights) is not None
     if why is not None:
+        if quantized:
+            raise NotQuantizable(f"--weights {weights} runs on gpuwise's fused decoder, which does not take it: {why}")
         return None, f"transformers' ({why})"
-    decoder = FusedDecoder(model, pack)
-    dtype = decoder.embed.dtype
+    decoder = FusedDecoder(model, None if quantized else pack)
+    dtype = decoder.dtype
     off = decoder.check(model)
     if not off <= TOLERANCE.get(dtype, 5e-2):  # a nan is off too
+        if quantized:
+            raise NotQuantizable(f"--weights {weights}: the fused decoder was {off:.1e} off transformers' at load")
         log.warning("the fused decoder is %.2g off transformers' forward: serving with transformers'", off)
         return None, f"transformers' (the fused one was {off:.1e} off it at load)"
+    if quantized:
+        decoder.quantize(weights)
     decoder.release(model)
     agree = f"its logits within {off * 100:.2g} % of transformers' at load, of the largest"
-    return decoder, f"gpuwise's fused decoder ({agree}; decode attention: {decoder.why})"
+    held = f"; weights {decoder.weights}" if quantized else ""
+    return decoder, f"gpuwise's fused decoder ({agree}{held}; decode attention: {decoder.why})"
 
 
 def unsupported(model) -> str | None:
@@ -114,18 +129,40 @@ class _Linear:
     updates: per adapter, the products A and B (the scaling folded into B). With `kernel` (attention.py),
     a product of at most GEMV_ROWS_ALONE rows is the kernel's, which reads the plain weight once at the memory's
     speed, and the whole-step kernel reads it too: the plain weight is then kept beside a packed copy, for the
-    wider products."""
+    wider products. Quantized (`quantize`), the weight is held once, in a block format, and every product
+    of it is the kernel's."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: str | None, kernel=None):
         self.bias = bias
         self.packed = Packed(weight, bias, pack) if pack else None
         self.kernel = kernel if kernel is not None and weight.stride(-1) == 1 else None
         dropped = self.packed is not None and self.packed.weight is None
-        self.weight = None if dropped and self.kernel is None else weight
+        self.weight: torch.Tensor | None = None if dropped and self.kernel is None else weight
+        self.quant: QuantWeight | None = None
         self.loras: dict[str, tuple[_Linear, _Linear]] = {}
 
+    def quantize(self, fmt: str) -> None:
+        """Hold the weight in llama.cpp's `fmt` alone (the plain and any packed copy dropped)."""
+        if self.kernel is None or self.weight is None:
+            raise NotQuantizable("quantized weights are read by gpuwise's CPU kernel, which this product lacks")
+        self.quant = quantize(self.weight, fmt)
+        self.weight = self.packed = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its weight is held in (the quantized or plain weight, or the packed copy)."""
+        if self.quant is not None:
+            return self.quant.nbytes
+        if self.weight is not None:
+            return self.weight.numel() * self.weight.element_size()
+        if self.packed is not None:
+            return self.packed.packed.numel() * self.packed.packed.element_size()
+        return 0
+
     def __call__(self, x: torch.Tensor, groups: Groups = ()) -> torch.Tensor:
-        if self.kernel is not None and x.numel() <= GEMV_ROWS_ALONE * x.shape[-1]:
+        if self.quant is not None:
+            out = self._qgemv(x)
+        elif self.kernel is not None and x.numel() <= GEMV_ROWS_ALONE * x.shape[-1]:
             out = self._gemv(x)
         elif self.packed is not None:
             out = self.packed(x)
@@ -151,6 +188,29 @@ class _Linear:
             log.warning("the decode product kernel failed (%s): this product uses the library's", e)
             self.kernel = None
             return self.packed(x) if self.packed is not None else F.linear(x, self.weight, self.bias)
+
+    def _qgemv(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.quant is not None
+        if self.kernel is not None:
+            try:
+                return self.kernel.qgemv(x, self.quant, self.bias)
+            except (ValueError, RuntimeError) as e:
+                log.warning("the quantized product kernel failed (%s): dequantizing for each product", e)
+                self.kernel = None
+        # no copy kept: dequantized for this product only (slow, but the answer is the same)
+        return F.linear(x, dequantize(self.quant, x.dtype), self.bias)
+
+
+def _format(x: _Linear) -> int:
+    """The kernels' weight format of a product: PLAIN, or its block format's ggml type."""
+    return attention.PLAIN if x.quant is None else x.quant.fmt.ggml_type
+
+
+def _held(x: _Linear) -> torch.Tensor:
+    """The tensor the kernels read for a product: its quantized blocks or its plain weight."""
+    held = x.quant.data if x.quant is not None else x.weight
+    assert held is not None
+    return held
 
 
 class Moved(nn.Module):
@@ -251,45 +311,92 @@ class FusedDecoder:
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self.embed = inner.embed_tokens.weight.detach()
+        self.embed: torch.Tensor | None = inner.embed_tokens.weight.detach()
+        self.embed_q: QuantWeight | None = None  # a quantized output layer tied to the embedding: looked up in it
+        self.dtype, self.device, self.vocab = self.embed.dtype, self.embed.device, self.embed.shape[0]
+        self.weights = f"{self.dtype}".removeprefix("torch.")
         self.rotary = inner.rotary_emb
         # one query per row (a decode step): gpuwise's CPU kernel where it builds (attention.py), else SDPA;
         # the same library's product for a decode step's few rows
         self.attention, self.why, products = None, "SDPA", None
-        if self.embed.device.type == "cpu":
+        if self.device.type == "cpu":
             kernel, why = attention.load()
-            if kernel is not None and not kernel.supports(self.embed.dtype, self.head_dim, self.embed.device):
-                kernel, why = None, f"{self.embed.dtype} or head dim {self.head_dim} is not one the kernel takes"
+            if kernel is not None and not kernel.supports(self.dtype, self.head_dim, self.device):
+                kernel, why = None, f"{self.dtype} or head dim {self.head_dim} is not one the kernel takes"
             self.attention, self.why = kernel, why if kernel is not None else f"SDPA ({why})"
             products = kernel
         self.layers = [_Layer(layer, pack, products) for layer in inner.layers]
         self.norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
         self.tied = model.lm_head.weight is inner.embed_tokens.weight
         self.head = _Linear(*_weight(model.lm_head), pack, products)
+        self.vocab_out = model.lm_head.weight.shape[0]
+        self.inner = inner.layers[0].mlp.down_proj.in_features if inner.layers else 0
+        self.step_formats = (attention.PLAIN, attention.PLAIN)
         self.step = self._step_pointers()  # a whole decode step in one call of the kernel library, where it can
+
+    def linears(self) -> list[_Linear]:
+        return [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
+    def quantize(self, weights: str) -> None:
+        """Hold every product's weight in `weights`' block formats alone (quant.py's WEIGHTS: the layers', the
+        output layer's); an output layer tied to the embedding is then the embedding too, looked up in it."""
+        layers_fmt, head_fmt = WEIGHTS[weights] or (None, None)
+        if layers_fmt is None or head_fmt is None:
+            return
+        if self.attention is None:
+            raise NotQuantizable(f"--weights {weights} needs gpuwise's CPU kernel ({self.why})")
+        for x in self.linears():
+            x.quantize(layers_fmt)
+        self.head.quantize(head_fmt)
+        if self.tied:
+            self.embed_q, self.embed = self.head.quant, None
+        self.weights = f"{weights}: layers {layers_fmt}, output layer {head_fmt}"
+        self.step = self._step_pointers()
+
+    def held_bytes(self) -> int:
+        """Bytes of weights this decoder holds: its products', the embedding's (once where tied), the norms'."""
+        held = sum(x.nbytes for x in [*self.linears(), self.head])
+        if self.embed is not None and not (self.tied and self.head.weight is not None):
+            held += self.embed.numel() * self.embed.element_size()
+        norms = [n for layer in self.layers for n in (layer.norm1[0], layer.norm2[0])] + [self.norm[0]]
+        return held + sum(n.numel() * n.element_size() for n in norms)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of `ids` [...] as [..., hidden]: rows of the embedding, or of the quantized output layer
+        tied to it, dequantized (a few rows a step)."""
+        if self.embed_q is None:
+            assert self.embed is not None
+            return F.embedding(ids, self.embed)
+        rows = dequantize(self.embed_q.take(ids.reshape(-1)), self.dtype)
+        return rows.view(*ids.shape, rows.shape[-1])
 
     def _step_pointers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Per layer the 12 addresses `gpuwise_decode_step` reads (the cache's two filled in at each step) and the
         norms' epsilons; None where the kernel library cannot run this model's decode steps (no kernel, a dtype
-        or head dim it does not take, a weight it does not hold plainly)."""
-        if self.attention is None or self.embed.dtype not in attention.DTYPES or self.head_dim > 256:
+        or head dim it does not take, a weight it does not hold plainly or in one block format)."""
+        if self.attention is None or self.dtype not in attention.DTYPES or self.head_dim > 256:
             return None
-        linears = [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        linears = self.linears()
+        if len({_format(x) for x in linears}) != 1:
+            return None
         for x in [*linears, self.head]:
-            if x.kernel is None or x.weight is None or x.weight.stride() != (x.weight.shape[1], 1):
+            if x.kernel is None:
                 return None
-            if x.bias is not None and (not x.bias.is_contiguous() or x.bias.dtype != self.embed.dtype):
+            if x.quant is None and (x.weight is None or x.weight.stride() != (x.weight.shape[1], 1)):
+                return None
+            if x.bias is not None and (not x.bias.is_contiguous() or x.bias.dtype != self.dtype):
                 return None
         rows = []
         for layer in self.layers:
             row = [layer.norm1[0]]
             for x in (layer.qkv, layer.o):
-                row += [x.weight, x.bias]
+                row += [_held(x), x.bias]
             row.append(layer.norm2[0])
             for x in (layer.gate_up, layer.down):
-                row += [x.weight, x.bias]
+                row += [_held(x), x.bias]
             rows.append([0 if t is None else t.data_ptr() for t in row] + [0, 0])
         eps = [e for layer in self.layers for e in (layer.norm1[1], layer.norm2[1])]
+        self.step_formats = (_format(linears[0]), _format(self.head))
         return torch.tensor(rows, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32)
 
     def _decode_step(self, part: Part, cache) -> torch.Tensor | None:
@@ -298,7 +405,7 @@ class FusedDecoder:
         assert self.step is not None and self.attention is not None
         ptrs, eps = self.step
         n, D = part.ids.shape[0], self.head_dim
-        x = F.embedding(part.ids.reshape(-1), self.embed).contiguous()  # [n, hidden]
+        x = self._embed(part.ids.reshape(-1)).contiguous()  # [n, hidden]
         cos, sin = self.rotary(x.unsqueeze(1), part.pos.reshape(-1, 1))
         cos, sin = cos.reshape(n, D).contiguous(), sin.reshape(n, D).contiguous()
         keys, values = cache.keys, cache.values
@@ -308,13 +415,15 @@ class FusedDecoder:
         ptrs[:, 10] = keys.data_ptr() + torch.arange(len(self.layers)) * keys.stride(0) * size
         ptrs[:, 11] = values.data_ptr() + torch.arange(len(self.layers)) * values.stride(0) * size
         pos = part.pos.reshape(-1).contiguous()
-        logits = torch.empty((n, self.head.weight.shape[0]), dtype=x.dtype)  # type: ignore[union-attr]
+        head = _held(self.head)
+        logits = torch.empty((n, self.vocab_out), dtype=x.dtype)
         args = (x.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), part.first, ptrs.data_ptr())
-        final = (self.norm[0].data_ptr(), self.norm[1], self.head.weight.data_ptr())  # type: ignore[union-attr]
-        shape = (n, x.shape[1], self.heads, self.kv_heads, D, self.layers[0].down.weight.shape[1])  # type: ignore
+        final = (self.norm[0].data_ptr(), self.norm[1], head.data_ptr())
+        shape = (n, x.shape[1], self.heads, self.kv_heads, D, self.inner)
         strides = (keys.stride(1), keys.stride(2), keys.stride(3))
         rc = self.attention.step_fn(
-            attention.DTYPES[x.dtype], *args, eps.data_ptr(), len(self.layers), *final, logits.data_ptr(),
+            attention.DTYPES[x.dtype], *self.step_formats, *args, eps.data_ptr(), len(self.layers), *final,
+            logits.data_ptr(),
             *shape, logits.shape[1], *strides,
         )  # fmt: skip
         if rc:
@@ -341,7 +450,7 @@ class FusedDecoder:
             for x in linears
             if x.packed is not None and x.packed.kind == ONEDNN and x.weight is not None and x is not self.head
         )
-        if self.head.packed is not None and self.head.packed.kind == ONEDNN and self.tied:
+        if self.head.packed is not None and self.head.packed.kind == ONEDNN and self.tied and self.embed is not None:
             added += self.embed.numel() * self.embed.element_size()
         return n, added
 
@@ -363,13 +472,16 @@ class FusedDecoder:
                         setattr(parent, n, Moved())
         if not self.tied:
             model.lm_head = Moved()
+        elif self.embed is None:  # the embedding is the quantized output layer now: held there alone
+            model.lm_head = Moved()
+            model.model.embed_tokens = Moved()
 
     def check(self, model, length: int = 16) -> float:
         """How far this forward is from transformers' own (peft's, with adapters) on one prompt of `length`
         tokens, a prefill of all but the last then one decode step, for the base and every adapter: the
         largest |difference| of the logits over the largest |logit|."""
-        device, dtype = self.embed.device, self.embed.dtype
-        ids = (torch.arange(length, device=device) * 7919 + 11).remainder(self.embed.shape[0]).unsqueeze(0)
+        device, dtype = self.device, self.dtype
+        ids = (torch.arange(length, device=device) * 7919 + 11).remainder(self.vocab).unsqueeze(0)
         pos = torch.arange(length, device=device).unsqueeze(0)
         causal = pos.view(1, 1, length, 1) >= pos.view(1, 1, 1, length)
         offs = []
@@ -395,7 +507,7 @@ class FusedDecoder:
             return ((names[0], None),)
         assert adapters is not None
         return tuple(
-            (name, torch.tensor([i for i, a in enumerate(adapters) if a == name], device=self.embed.device))
+            (name, torch.tensor([i for i, a in enumerate(adapters) if a == name], device=self.device))
             for name in sorted(set(names))
         )
 
@@ -426,7 +538,7 @@ class FusedDecoder:
                 if logits is not None:
                     return [logits]
         sizes = [part.ids.numel() for part in parts]
-        x = _cat([F.embedding(part.ids.reshape(-1, 1), self.embed) for part in parts])  # [tokens, 1, hidden]
+        x = _cat([self._embed(part.ids.reshape(-1, 1)) for part in parts])  # [tokens, 1, hidden]
         cos, sin = self.rotary(x, _cat([part.pos.reshape(-1, 1) for part in parts]))  # [tokens, 1, D]
         groups = self._groups([a for part in parts for a in part.adapters for _ in range(part.ids.shape[1])], len(x))
         kernel = self.attention

@@ -19,6 +19,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <new>
 #include <utility>
 #include <vector>
@@ -148,18 +150,96 @@ void attend(const T* q, const T* k, const T* v, const int64_t* lens, T* out, int
 // At a decode step's few rows a product is bound by reading the weight once (oneDNN and MKL reorder or pad
 // for blocks of rows and reach a third of the memory's speed there: docs/serving.md). Each thread takes a
 // share of the output columns, four weight rows at a time, each read once for every input row; the sums run
-// in fp32 and the output is rounded to T once. w: [O, I] with row stride w_so, x: [M, I] and out: [M, O]
-// contiguous.
+// in fp32 and the output is rounded to T once. x: [M, I] and out: [M, O] contiguous; the weight [O, I] is read
+// through a format (below): T itself with row stride w_so, or one of llama.cpp's block formats.
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kRowsAtOnce = 4;  // input rows a pass: R x 4 fp32 accumulators stay in registers
 constexpr int64_t kBlock = 4;       // weight rows a pass
 constexpr int64_t kAhead = 4;       // weight rows ahead that a pass prefetches
 
+// Weight formats, each read 16 values at a time into fp32 (`load`). kPlain: T itself. The others are llama.cpp's
+// (ggml-common.h), numbered by ggml's type ids, so that a GGUF's tensors are read as they ship: blocks of 32
+// values along a row, Q8_0 {fp16 d; int8 q[32]} is d q; Q4_0 {fp16 d; uint8 q[16]} is (q - 8) d; Q4_1 {fp16 d, m;
+// uint8 q[16]} is q d + m; in the 4-bit ones value j < 16 is byte j's low nibble, value 16 + j its high one.
+// The quantized weight is dequantized in registers as it is read: no fp32 or bf16 copy of it is kept anywhere.
+constexpr int kPlain = 0, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+template <typename T>
+struct Plain {
+  const T* w;
+  int64_t so;                                        // row stride, in values
+  static constexpr int64_t kEvery = 64 / sizeof(T);  // values a cache line holds: each line prefetched once
+  __m512 load(int64_t row, int64_t i) const { return load16(w + row * so + i); }
+  __m512 tail(int64_t row, int64_t i, int64_t count) const { return load_tail(w + row * so + i, count); }
+  const void* at(int64_t row, int64_t i) const { return w + row * so + i; }
+};
+
+// the block formats: rows of whole blocks (I % 32 == 0, checked where a call comes in), so no tail
+template <int64_t Bytes>
+struct Blocks {
+  const uint8_t* w;
+  int64_t so;                        // row stride, in bytes: I / 32 blocks of `Bytes`
+  static constexpr int64_t kEvery = 32;  // a block's start each block: every line is asked for (Bytes < 64)
+  const uint8_t* block(int64_t row, int64_t i) const { return w + row * so + (i >> 5) * Bytes; }
+  __m512 tail(int64_t, int64_t, int64_t) const { return _mm512_setzero_ps(); }
+  const void* at(int64_t row, int64_t i) const { return block(row, i); }
+};
+
+struct Q8_0 : Blocks<34> {
+  __m512 load(int64_t row, int64_t i) const {
+    const uint8_t* b = block(row, i);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + (i & 31)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(half_at(b)));
+  }
+};
+
+// the 16 nibbles of values i .. i + 15 (i a multiple of 16) of the block at b, from its 16 bytes at b + offset
+inline __m512 nibbles(const uint8_t* q, int64_t i) {
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  if (i & 16) v = _mm_srli_epi16(v, 4);
+  v = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
+}
+
+struct Q4_0 : Blocks<18> {
+  __m512 load(int64_t row, int64_t i) const {
+    const uint8_t* b = block(row, i);
+    const float d = half_at(b);
+    return _mm512_fmadd_ps(nibbles(b + 2, i), _mm512_set1_ps(d), _mm512_set1_ps(-8.f * d));
+  }
+};
+
+struct Q4_1 : Blocks<20> {
+  __m512 load(int64_t row, int64_t i) const {
+    const uint8_t* b = block(row, i);
+    return _mm512_fmadd_ps(nibbles(b + 4, i), _mm512_set1_ps(half_at(b)), _mm512_set1_ps(half_at(b + 2)));
+  }
+};
+
+inline bool known_format(int fmt) { return fmt == kPlain || fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ8_0; }
+
+// f(the weight at w in format fmt: [O, I], a plain one with row stride w_so)
+template <typename T, typename F>
+inline void with_weight(int fmt, const void* w, int64_t I, int64_t w_so, F&& f) {
+  const auto* b = static_cast<const uint8_t*>(w);
+  switch (fmt) {
+    case kQ8_0: f(Q8_0{{b, I / 32 * 34}}); break;
+    case kQ4_0: f(Q4_0{{b, I / 32 * 18}}); break;
+    case kQ4_1: f(Q4_1{{b, I / 32 * 20}}); break;
+    default: f(Plain<T>{static_cast<const T*>(w), w_so}); break;
+  }
+}
+
 // Output rows m0 .. m0 + MM of output columns o0 .. o0 + rows (rows <= kBlock), each weight row read once a
 // pass: emit(m, o, the fp32 sum plus the bias) for each, m counted from m0.
-template <typename T, int MM, typename Emit>
-inline void gemv_block(const float* xf, const T* w, const T* bias, int64_t I, int64_t w_so, int64_t o0,
-                       int64_t rows, Emit&& emit) {
+template <int MM, typename W, typename B, typename Emit>
+inline void gemv_block(const float* xf, const W& w, const B* bias, int64_t I, int64_t o0, int64_t rows, Emit&& emit) {
   constexpr int64_t R = kBlock;
   const int64_t full = I / 16 * 16, tail = I - full;
   __m512 acc[R][MM];
@@ -167,13 +247,12 @@ inline void gemv_block(const float* xf, const T* w, const T* bias, int64_t I, in
     for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_setzero_ps();
   // the weight rows kAhead on, asked for a block ahead: this pass reads R rows at once, more streams than the
   // hardware's prefetcher follows well (a 1-row product read the weight 1.3-1.5x faster with it)
-  const uintptr_t ahead = reinterpret_cast<uintptr_t>(w) + static_cast<uintptr_t>((o0 + kAhead) * w_so) * sizeof(T);
   for (int64_t i = 0; i < full; i += 16) {
-    if (i * sizeof(T) % 64 == 0)
+    if (i % W::kEvery == 0)
       for (int64_t r = 0; r < R; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + (r * w_so + i) * sizeof(T)), _MM_HINT_T0);
+        _mm_prefetch(static_cast<const char*>(w.at(o0 + kAhead + r, i)), _MM_HINT_T0);
     __m512 wv[R];
-    for (int64_t r = 0; r < R; ++r) wv[r] = r < rows ? load16(w + (o0 + r) * w_so + i) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < R; ++r) wv[r] = r < rows ? w.load(o0 + r, i) : _mm512_setzero_ps();
     for (int m = 0; m < MM; ++m) {
       const __m512 xv = _mm512_loadu_ps(xf + m * I + i);
       for (int64_t r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
@@ -181,7 +260,7 @@ inline void gemv_block(const float* xf, const T* w, const T* bias, int64_t I, in
   }
   if (tail) {
     __m512 wv[R];
-    for (int64_t r = 0; r < R; ++r) wv[r] = r < rows ? load_tail(w + (o0 + r) * w_so + full, tail) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < R; ++r) wv[r] = r < rows ? w.tail(o0 + r, full, tail) : _mm512_setzero_ps();
     for (int m = 0; m < MM; ++m) {
       const __m512 xv = load_tail(xf + m * I + full, tail);
       for (int64_t r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
@@ -194,36 +273,76 @@ inline void gemv_block(const float* xf, const T* w, const T* bias, int64_t I, in
 }
 
 // Output columns o0 .. o0 + rows (rows <= kBlock) for all M input rows xf [M, I] in fp32: emit(m, o, v).
-template <typename T, typename Emit>
-void gemv_cols(const float* xf, const T* w, const T* bias, int64_t M, int64_t I, int64_t w_so, int64_t o0,
-               int64_t rows, Emit&& emit) {
+template <typename W, typename B, typename Emit>
+void gemv_cols(const float* xf, const W& w, const B* bias, int64_t M, int64_t I, int64_t o0, int64_t rows,
+               Emit&& emit) {
   for (int64_t m0 = 0; m0 < M; m0 += kRowsAtOnce) {  // more rows: the block's weights again, from L1
     const float* xm = xf + m0 * I;
     auto at = [&](int m, int64_t o, float v) { emit(m0 + m, o, v); };
     switch (std::min(kRowsAtOnce, M - m0)) {
-      case 1: gemv_block<T, 1>(xm, w, bias, I, w_so, o0, rows, at); break;
-      case 2: gemv_block<T, 2>(xm, w, bias, I, w_so, o0, rows, at); break;
-      case 3: gemv_block<T, 3>(xm, w, bias, I, w_so, o0, rows, at); break;
-      default: gemv_block<T, 4>(xm, w, bias, I, w_so, o0, rows, at); break;
+      case 1: gemv_block<1>(xm, w, bias, I, o0, rows, at); break;
+      case 2: gemv_block<2>(xm, w, bias, I, o0, rows, at); break;
+      case 3: gemv_block<3>(xm, w, bias, I, o0, rows, at); break;
+      default: gemv_block<4>(xm, w, bias, I, o0, rows, at); break;
     }
   }
 }
 
 // Weight blocks begin .. end (kBlock output columns each, of O): emit(m, o, v).
-template <typename T, typename Emit>
-void gemv_blocks(const float* xf, const T* w, const T* bias, int64_t M, int64_t O, int64_t I, int64_t w_so,
-                 int64_t begin, int64_t end, Emit&& emit) {
+template <typename W, typename B, typename Emit>
+void gemv_blocks(const float* xf, const W& w, const B* bias, int64_t M, int64_t O, int64_t I, int64_t begin,
+                 int64_t end, Emit&& emit) {
   for (int64_t block = begin; block < end; ++block)
-    gemv_cols(xf, w, bias, M, I, w_so, block * kBlock, std::min(kBlock, O - block * kBlock), emit);
+    gemv_cols(xf, w, bias, M, I, block * kBlock, std::min(kBlock, O - block * kBlock), emit);
+}
+
+// A product of any number of rows by a weight in a block format (prefill, many streams): each thread takes
+// kWide weight rows at a time, dequantizes them once into fp32 in its own buffer (kWide x I: L1 or L2), and
+// multiplies every input row by them, four input rows by four weight rows a pass, so that both stay in cache.
+constexpr int64_t kWide = 16;
+
+template <typename T, typename W>
+void wide_blocks(const float* xf, const W& w, const T* bias, T* out, int64_t M, int64_t O, int64_t I, int64_t begin,
+                 int64_t end) {
+  std::vector<float> buf(kWide * I);
+  const Plain<float> plain{buf.data(), I};
+  for (int64_t block = begin; block < end; ++block) {
+    const int64_t o0 = block * kWide, rows = std::min(kWide, O - o0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < I; i += 16) _mm512_storeu_ps(buf.data() + r * I + i, w.load(o0 + r, i));
+    const T* b = bias ? bias + o0 : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsAtOnce) {
+      const float* xm = xf + m0 * I;
+      auto emit = [&](int m, int64_t o, float v) { out[(m0 + m) * O + o0 + o] = static_cast<T>(v); };
+      for (int64_t r0 = 0; r0 < rows; r0 += kBlock) {
+        const int64_t n = std::min(kBlock, rows - r0);
+        switch (std::min(kRowsAtOnce, M - m0)) {
+          case 1: gemv_block<1>(xm, plain, b, I, r0, n, emit); break;
+          case 2: gemv_block<2>(xm, plain, b, I, r0, n, emit); break;
+          case 3: gemv_block<3>(xm, plain, b, I, r0, n, emit); break;
+          default: gemv_block<4>(xm, plain, b, I, r0, n, emit); break;
+        }
+      }
+    }
+  }
 }
 
 template <typename T>
-void gemv(const T* x, const T* w, const T* bias, T* out, int64_t M, int64_t O, int64_t I, int64_t w_so) {
+void gemv(int fmt, const T* x, const void* w, const T* bias, T* out, int64_t M, int64_t O, int64_t I, int64_t w_so) {
   std::vector<float> xf(M * I);
   for (int64_t j = 0; j < M * I; ++j) xf[j] = static_cast<float>(x[j]);
-  at::parallel_for(0, (O + kBlock - 1) / kBlock, 16, [&](int64_t begin, int64_t end) {
-    gemv_blocks(xf.data(), w, bias, M, O, I, w_so, begin, end,
-                [&](int64_t m, int64_t o, float v) { out[m * O + o] = static_cast<T>(v); });
+  with_weight<T>(fmt, w, I, w_so, [&](auto wv) {
+    using W = decltype(wv);
+    if (M > kMaxRows && !std::is_same<W, Plain<T>>::value) {
+      at::parallel_for(0, (O + kWide - 1) / kWide, 4, [&](int64_t begin, int64_t end) {
+        wide_blocks(xf.data(), wv, bias, out, M, O, I, begin, end);
+      });
+      return;
+    }
+    at::parallel_for(0, (O + kBlock - 1) / kBlock, 16, [&](int64_t begin, int64_t end) {
+      gemv_blocks(xf.data(), wv, bias, M, O, I, begin, end,
+                  [&](int64_t m, int64_t o, float v) { out[m * O + o] = static_cast<T>(v); });
+    });
   });
 }
 
@@ -297,8 +416,9 @@ void to_float(const T* x, float* xf, int64_t n) {
 }
 
 template <typename T>
-void decode_step(T* x, const T* cos, const T* sin, const int64_t* pos, int64_t first, const int64_t* ptrs,
-                 const float* eps, int64_t layers, const T* final_norm, float final_eps, const T* head, T* logits,
+void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const int64_t* pos, int64_t first,
+                 const int64_t* ptrs, const float* eps, int64_t layers, const T* final_norm, float final_eps,
+                 const void* head, T* logits,
                  int64_t M, int64_t E, int64_t H, int64_t K, int64_t D, int64_t F, int64_t V, int64_t c_sn,
                  int64_t c_sl, int64_t c_sh) {
   const int64_t QKV = (H + 2 * K) * D, half = D / 2;
@@ -322,14 +442,17 @@ void decode_step(T* x, const T* cos, const T* sin, const int64_t* pos, int64_t f
     for (int64_t l = 0; l < layers; ++l) {
       const int64_t* p = ptrs + l * 12;
       auto w = [&](int i) { return reinterpret_cast<const T*>(p[i]); };
+      auto weight = [&](int i) { return reinterpret_cast<const void*>(p[i]); };
       T* kc = reinterpret_cast<T*>(p[10]);
       T* vc = reinterpret_cast<T*>(p[11]);
       // the norm (every thread its own copy: it is small), then this thread's share of the qkv product
       rms_into(x, w(0), eps[l * 2], xf.data(), M, E);
       {
         auto [b, e] = share((QKV + kBlock - 1) / kBlock, tid, threads);
-        gemv_blocks(xf.data(), w(1), w(2), M, QKV, E, E, b, e,
-                    [&](int64_t m, int64_t o, float v) { qkv[m * QKV + o] = static_cast<T>(v); });
+        with_weight<T>(fmt, weight(1), E, E, [&](auto wv) {
+          gemv_blocks(xf.data(), wv, w(2), M, QKV, E, b, e,
+                      [&](int64_t m, int64_t o, float v) { qkv[m * QKV + o] = static_cast<T>(v); });
+        });
       }
       barrier->wait();
       // rotary embedding of the q and k heads: x * cos + rotate_half(x) * sin, rounded per op; a k head's
@@ -375,19 +498,21 @@ void decode_step(T* x, const T* cos, const T* sin, const int64_t* pos, int64_t f
       to_float(att.data(), xf.data(), M * H * D);
       {
         auto [b, e] = share((E + kBlock - 1) / kBlock, tid, threads);
-        gemv_blocks(xf.data(), w(3), w(4), M, E, H * D, H * D, b, e, add_to_x);
+        with_weight<T>(fmt, weight(3), H * D, H * D,
+                       [&](auto wv) { gemv_blocks(xf.data(), wv, w(4), M, E, H * D, b, e, add_to_x); });
       }
       barrier->wait();
       // the MLP's gate and up products for the same columns, then silu(gate) * up for them
       rms_into(x, w(5), eps[l * 2 + 1], xf.data(), M, E);
       {
         auto [b, e] = share((F + kBlock - 1) / kBlock, tid, threads);
+        with_weight<T>(fmt, weight(6), E, E, [&](auto wv) {
         for (int64_t block = b; block < e; ++block) {
           T gate[kBlock * kMaxRows], up[kBlock * kMaxRows];
           const int64_t f0 = block * kBlock, rows = std::min(kBlock, F - f0);
-          gemv_cols(xf.data(), w(6), w(7), M, E, E, f0, rows,
+          gemv_cols(xf.data(), wv, w(7), M, E, f0, rows,
                     [&](int64_t m, int64_t o, float v) { gate[(o - f0) * M + m] = static_cast<T>(v); });
-          gemv_cols(xf.data(), w(6), w(7), M, E, E, F + f0, rows,
+          gemv_cols(xf.data(), wv, w(7), M, E, F + f0, rows,
                     [&](int64_t m, int64_t o, float v) { up[(o - F - f0) * M + m] = static_cast<T>(v); });
           for (int64_t f = f0; f < f0 + rows; ++f)
             for (int64_t m = 0; m < M; ++m) {
@@ -396,19 +521,22 @@ void decode_step(T* x, const T* cos, const T* sin, const int64_t* pos, int64_t f
               act[m * F + f] = static_cast<T>(static_cast<float>(silu) * static_cast<float>(up[(f - f0) * M + m]));
             }
         }
+        });
       }
       barrier->wait();
       to_float(act.data(), xf.data(), M * F);
       {
         auto [b, e] = share((E + kBlock - 1) / kBlock, tid, threads);
-        gemv_blocks(xf.data(), w(8), w(9), M, E, F, F, b, e, add_to_x);
+        with_weight<T>(fmt, weight(8), F, F, [&](auto wv) { gemv_blocks(xf.data(), wv, w(9), M, E, F, b, e, add_to_x); });
       }
       barrier->wait();
     }
     rms_into(x, final_norm, final_eps, xf.data(), M, E);
     auto [b, e] = share((V + kBlock - 1) / kBlock, tid, threads);
-    gemv_blocks(xf.data(), head, static_cast<const T*>(nullptr), M, V, E, E, b, e,
-                [&](int64_t m, int64_t o, float v) { logits[m * V + o] = static_cast<T>(v); });
+    with_weight<T>(head_fmt, head, E, E, [&](auto wv) {
+      gemv_blocks(xf.data(), wv, static_cast<const T*>(nullptr), M, V, E, b, e,
+                  [&](int64_t m, int64_t o, float v) { logits[m * V + o] = static_cast<T>(v); });
+    });
   }
 }
 
@@ -434,36 +562,45 @@ int gpuwise_decode_attention(int dtype, const void* q, const void* k, const void
   return 0;
 }
 
-// dtype: 0 float32, 1 bfloat16; bias may be null. Returns 0, or 1 when the shapes are not ones it takes.
-int gpuwise_gemv(int dtype, const void* x, const void* w, const void* bias, void* out, int64_t M, int64_t O,
+// dtype: 0 float32, 1 bfloat16 (x, bias, out); fmt: the weight's format (kPlain: dtype's, row stride w_so; or
+// kQ8_0, kQ4_0, kQ4_1, I a multiple of 32); bias may be null. M up to kMaxRows for a plain weight, any M for a
+// block format. Returns 0, or 1 when the shapes are not ones it takes.
+int gpuwise_gemv(int dtype, int fmt, const void* x, const void* w, const void* bias, void* out, int64_t M, int64_t O,
                  int64_t I, int64_t w_so) {
-  if (M < 1 || M > kMaxRows || O < 1 || I < 1 || w_so < I) return 1;
+  if (M < 1 || O < 1 || I < 1 || !known_format(fmt)) return 1;
+  if (fmt == kPlain ? (M > kMaxRows || w_so < I) : I % 32 != 0) return 1;
   if (dtype == 0) {
-    gemv(static_cast<const float*>(x), static_cast<const float*>(w), static_cast<const float*>(bias),
-         static_cast<float*>(out), M, O, I, w_so);
+    gemv(fmt, static_cast<const float*>(x), w, static_cast<const float*>(bias), static_cast<float*>(out), M, O, I,
+         w_so);
   } else if (dtype == 1) {
-    gemv(static_cast<const c10::BFloat16*>(x), static_cast<const c10::BFloat16*>(w),
-         static_cast<const c10::BFloat16*>(bias), static_cast<c10::BFloat16*>(out), M, O, I, w_so);
+    using B = c10::BFloat16;
+    gemv(fmt, static_cast<const B*>(x), w, static_cast<const B*>(bias), static_cast<B*>(out), M, O, I, w_so);
   } else {
     return 1;
   }
   return 0;
 }
 
-// dtype: 0 float32, 1 bfloat16. Returns 0, or 1 when the shapes are not ones it takes.
-int gpuwise_decode_step(int dtype, void* x, const void* cos, const void* sin, const int64_t* pos, int64_t first,
-                        const int64_t* ptrs, const float* eps, int64_t layers, const void* final_norm,
-                        float final_eps, const void* head, void* logits, int64_t M, int64_t E, int64_t H, int64_t K,
-                        int64_t D, int64_t F, int64_t V, int64_t c_sn, int64_t c_sl, int64_t c_sh) {
+// dtype: 0 float32, 1 bfloat16; fmt: the layers' weights' format, head_fmt the output layer's (kPlain: dtype's;
+// a block format: E, H * D and F multiples of 32). Returns 0, or 1 when the shapes are not ones it takes.
+int gpuwise_decode_step(int dtype, int fmt, int head_fmt, void* x, const void* cos, const void* sin,
+                        const int64_t* pos, int64_t first, const int64_t* ptrs, const float* eps, int64_t layers,
+                        const void* final_norm, float final_eps, const void* head, void* logits, int64_t M, int64_t E,
+                        int64_t H, int64_t K, int64_t D, int64_t F, int64_t V, int64_t c_sn, int64_t c_sl,
+                        int64_t c_sh) {
   if (M < 1 || M > kMaxRows || D % 16 != 0 || D / 16 > kMaxChunks || K <= 0 || H % K != 0) return 1;
+  if (!known_format(fmt) || !known_format(head_fmt)) return 1;
+  if (fmt != kPlain && (E % 32 != 0 || (H * D) % 32 != 0 || F % 32 != 0)) return 1;
+  if (head_fmt != kPlain && E % 32 != 0) return 1;
   if (dtype == 0) {
-    decode_step(static_cast<float*>(x), static_cast<const float*>(cos), static_cast<const float*>(sin), pos, first,
-                ptrs, eps, layers, static_cast<const float*>(final_norm), final_eps, static_cast<const float*>(head),
-                static_cast<float*>(logits), M, E, H, K, D, F, V, c_sn, c_sl, c_sh);
+    decode_step(fmt, head_fmt, static_cast<float*>(x), static_cast<const float*>(cos),
+                static_cast<const float*>(sin), pos, first, ptrs, eps, layers,
+                static_cast<const float*>(final_norm), final_eps, head, static_cast<float*>(logits), M, E, H, K, D,
+                F, V, c_sn, c_sl, c_sh);
   } else if (dtype == 1) {
     using B = c10::BFloat16;
-    decode_step(static_cast<B*>(x), static_cast<const B*>(cos), static_cast<const B*>(sin), pos, first, ptrs, eps,
-                layers, static_cast<const B*>(final_norm), final_eps, static_cast<const B*>(head),
+    decode_step(fmt, head_fmt, static_cast<B*>(x), static_cast<const B*>(cos), static_cast<const B*>(sin), pos,
+                first, ptrs, eps, layers, static_cast<const B*>(final_norm), final_eps, head,
                 static_cast<B*>(logits), M, E, H, K, D, F, V, c_sn, c_sl, c_sh);
   } else {
     return 1;

@@ -1,0 +1,94 @@
+"""Weights of 8 and 4 bits for gpuwise's engine: llama.cpp's block formats Q8_0, Q4_0 and Q4_1, held as they are
+laid out in a GGUF file (so that a quantized GGUF loads without conversion) and read by the decode kernels
+(kernels/decode_attention.cpp), which dequantize them in registers: no dequantized copy is kept.
+
+Why these formats: a decode step reads every weight once, so its speed is bytes per weight (docs/serving.md,
+"One stream"). Blocks of 32 values along a row with an fp16 scale (and, for Q4_1, an fp16 minimum) are what
+llama.cpp ships its files in; quantizing with llama.cpp's own reference code (gguf-py's `gguf.quants`, the same
+arithmetic as ggml's `quantize_row_*_ref`) makes a file gpuwise quantized and one llama.cpp quantized the same
+bytes, and the quality comparison between the engines one of the kernels alone (benchmarks/quant_quality.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+BLOCK = 32  # values a block holds, along a row
+
+
+@dataclass(frozen=True)
+class Format:
+    """One of llama.cpp's block formats: its name, ggml's type id (what the kernels take), bytes per block."""
+
+    name: str
+    ggml_type: int
+    block_bytes: int
+
+    @property
+    def bits(self) -> float:
+        """Bits per weight, scales included: 8.5 for Q8_0, 4.5 for Q4_0, 5 for Q4_1."""
+        return self.block_bytes * 8 / BLOCK
+
+
+FORMATS = {f.name: f for f in (Format("Q8_0", 8, 34), Format("Q4_0", 2, 18), Format("Q4_1", 3, 20))}
+BY_TYPE = {f.ggml_type: f for f in FORMATS.values()}
+
+# `--weights`: the format of the layers' products and of the output layer. At 4 bits the output layer keeps 8
+# (it is a large share of a small model's error, and llama.cpp's own 4-bit files keep it at 6-8 bits too).
+WEIGHTS = {"bf16": None, "int8": ("Q8_0", "Q8_0"), "int4": ("Q4_1", "Q8_0")}
+QUANTIZED = tuple(k for k, v in WEIGHTS.items() if v)
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A weight [rows, cols] in `fmt`: `data` is uint8 [rows, cols / 32 * block bytes], each row its blocks."""
+
+    fmt: Format
+    data: torch.Tensor
+    rows: int
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def take(self, rows: torch.Tensor | slice) -> QuantWeight:
+        """Some of its rows (a view for a slice, a copy for an index tensor): quantized rows are independent."""
+        data = self.data[rows]
+        return QuantWeight(self.fmt, data, data.shape[0], self.cols)
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> QuantWeight:
+    """`weight` [rows, cols] (cols a multiple of 32) in llama.cpp's `fmt`, by gguf-py's reference quantizer."""
+    from gguf import GGMLQuantizationType, quants  # gguf-py: llama.cpp's own Python package
+
+    if fmt not in FORMATS:
+        raise ValueError(f"no weight format {fmt!r}: one of {', '.join(FORMATS)}")
+    if weight.dim() != 2 or weight.shape[1] % BLOCK:
+        raise ValueError(f"a weight of shape {tuple(weight.shape)}: quantized rows must be whole blocks of {BLOCK}")
+    array = weight.detach().to(torch.float32).cpu().numpy()
+    data = quants.quantize(array, GGMLQuantizationType[fmt])
+    return QuantWeight(FORMATS[fmt], torch.from_numpy(np.ascontiguousarray(data)), weight.shape[0], weight.shape[1])
+
+
+def dequantize(q: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight's values [rows, cols] (for the embedding rows a step looks up, and the tests' reference)."""
+    blocks = q.data.reshape(q.rows, q.cols // BLOCK, q.fmt.block_bytes)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [rows, blocks, 1]
+    if q.fmt.name == "Q8_0":
+        values = blocks[..., 2:].contiguous().view(torch.int8).float() * d
+    else:
+        packed = blocks[..., 4:] if q.fmt.name == "Q4_1" else blocks[..., 2:]
+        nibbles = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()  # value j: byte j's low, 16 + j: high
+        if q.fmt.name == "Q4_1":
+            values = nibbles * d + blocks[..., 2:4].contiguous().view(torch.float16).float()
+        else:
+            values = (nibbles - 8) * d
+    return values.reshape(q.rows, q.cols).to(dtype)
+
+
+def quantized_bytes(params: int, fmt: str) -> float:
+    """Bytes `params` weights take in `fmt` (the planner's bytes per weight)."""
+    return params * FORMATS[fmt].block_bytes / BLOCK

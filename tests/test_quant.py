@@ -1,0 +1,206 @@
+"""Weights of 8 and 4 bits in gpuwise's engine (serve/engines/gpuwise/quant.py, the block formats read by
+kernels/decode_attention.cpp): the formats are llama.cpp's to the byte, the kernels' products are the
+dequantize-then-multiply reference's at 1, 3, 8 and 64 rows, the whole decode step over quantized weights is the
+Python forward's over the same weights, the weights are held once, and the plan counts what is held."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from test_decoder import tiny
+
+from gpuwise.serve.engines.gpuwise import attention
+from gpuwise.serve.engines.gpuwise import decoder as fused
+from gpuwise.serve.engines.gpuwise.quant import FORMATS, WEIGHTS, dequantize, quantize
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    loaded, why = attention.load()
+    if loaded is None:
+        pytest.skip(f"no decode kernel here: {why}")
+    return loaded
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_the_formats_are_llama_cpps_to_the_byte(fmt):
+    """gguf-py (llama.cpp's own package) reads what quant.py writes, and quant.py's dequantize is gguf-py's
+    bitwise; the bits per weight are the planner's."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    from gpuwise.plan.memory import SERVED_BITS
+
+    torch.manual_seed(0)
+    w = torch.randn(40, 96) * torch.linspace(0.01, 3, 96)  # blocks of very different ranges
+    q = quantize(w, fmt)
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
+    assert (block, size) == (32, FORMATS[fmt].block_bytes)
+    assert q.data.shape == (40, 96 // 32 * size) and q.nbytes == 40 * 96 * FORMATS[fmt].bits / 8
+    theirs = torch.from_numpy(quants.dequantize(q.data.numpy(), GGMLQuantizationType[fmt]))
+    assert torch.equal(dequantize(q), theirs)
+    # the quantization error is the format's: half a step of the block's scale (Q4_0: a step, its largest value
+    # only reaches 7/8 of the block's largest magnitude of the other sign), plus the fp16 scale's rounding
+    step = {"Q8_0": 1 / 127, "Q4_0": 2 / 8, "Q4_1": 1 / 15}[fmt]
+    span = w.reshape(40, 3, 32).abs().amax(-1, keepdim=True) * (2 if fmt == "Q4_1" else 1)
+    assert bool(((dequantize(q) - w).reshape(40, 3, 32).abs() <= span * step * 0.6).all())
+    for weights, (layers, head) in ((k, v) for k, v in WEIGHTS.items() if v):
+        assert SERVED_BITS[weights] == (FORMATS[layers].bits, FORMATS[head].bits)
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        quantize(torch.zeros(4, 40), fmt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+def test_the_quantized_product_is_dequantize_then_multiply(kernel, fmt, rows, dtype):
+    """At 1-8 rows the kernel dequantizes in registers as it reads; at 64 it dequantizes 16 weight rows at a time
+    into its cache: both are F.linear on the dequantized weight. Bound: fp32 sums in another order (measured
+    1e-7 to 6e-7 of the largest output), and in bf16 the output's one rounding (2^-8 = 3.9e-3; measured up to
+    3.3e-3). Allowed: 1e-5 and 8e-3."""
+    torch.manual_seed(rows)
+    w, bias = torch.randn(200, 576), torch.randn(200)
+    q = quantize(w, fmt)
+    x = torch.randn(rows, 576).to(dtype)
+    got = kernel.qgemv(x, q, bias.to(dtype))
+    expected = x.float() @ dequantize(q).T + bias.to(dtype).float()
+    assert got.shape == (rows, 200) and got.dtype == dtype
+    off = float((got.float() - expected).abs().max() / expected.abs().max())
+    assert off <= {torch.float32: 1e-5, torch.bfloat16: 8e-3}[dtype], off
+    # [..., I] inputs keep their leading dimensions, as F.linear's
+    assert kernel.qgemv(x.view(1, rows, 576), q).shape == (1, rows, 200)
+
+
+def test_the_quantized_product_refuses_what_it_does_not_take(kernel):
+    q = quantize(torch.randn(8, 64), "Q8_0")
+    with pytest.raises(ValueError, match="qgemv"):
+        kernel.qgemv(torch.randn(2, 32), q)  # the wrong width
+    with pytest.raises(ValueError, match="qgemv"):
+        kernel.qgemv(torch.randn(2, 64).half(), q)  # fp16 activations
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_a_quantized_decode_step_in_one_kernel_call_is_the_python_forward(kernel, weights, dtype, n):
+    """The whole-step kernel reads the same blocks the Python forward's products read (through the same
+    loaders), so their logits agree as the plain weights' do (test_decoder.py): 1e-5 in fp32, 1e-2 in bf16.
+    The weights are held once: quantized products only, the model's own layers moved out, and the output layer
+    tied to the embedding is the embedding too (looked up in its blocks)."""
+    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
+
+    model = tiny("llama", tie_word_embeddings=True).to(dtype)
+    decoder, note = fused.fused_decoder(model, None, weights)
+    assert decoder is not None and f"weights {weights}: layers" in note, note
+    assert decoder.step is not None
+    products = [*decoder.linears(), decoder.head]
+    assert all(x.quant is not None and x.weight is None and x.packed is None for x in products)
+    assert decoder.embed is None and decoder.embed_q is decoder.head.quant
+    assert isinstance(model.model.layers[0].self_attn.q_proj, fused.Moved)
+    assert isinstance(model.model.embed_tokens, fused.Moved)
+    ctx = 12
+    ids = torch.tensor([[5, 17, 101, 44, 9, 250, 3, 77, 12, 60, 8, 31]] * n)
+    lengths = [12, 7, 10, 4, 12, 9, 2, 11][:n]
+
+    def step(use_kernel: bool) -> torch.Tensor:
+        cache = SlotCache(model.config, n, dtype, "cpu", context=ctx, start=ctx)
+        with torch.inference_mode():
+            for row, length in enumerate(lengths):
+                pos = torch.arange(length - 1).unsqueeze(0)
+                cache.bind(row, pos, length - 1)
+                mask = additive_mask(pos.view(1, 1, -1, 1) >= pos.view(1, 1, 1, -1), dtype)
+                decoder(ids[row : row + 1, : length - 1], pos, mask, cache)
+            pos = torch.tensor([[length - 1] for length in lengths])
+            cache.bind(0, pos, ctx)
+            allowed = torch.arange(ctx).view(1, 1, 1, ctx) <= pos.view(n, 1, 1, 1)
+            last = torch.stack([ids[row, length - 1] for row, length in enumerate(lengths)]).unsqueeze(1)
+            saved = decoder.step
+            decoder.step = saved if use_kernel else None
+            try:
+                return decoder(last, pos, additive_mask(allowed, dtype), cache)
+            finally:
+                decoder.step = saved
+
+    python, kernel_step = step(False), step(True)
+    off = float((kernel_step - python).abs().max() / python.abs().max())
+    assert off <= {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype], off
+
+
+def test_quantized_logits_stay_near_the_plain_ones_on_the_tiny_model(kernel):
+    """A loose hold on quality (benchmarks/quant_quality.py measures it on SmolLM2-135M against llama.cpp): on a
+    tiny model with its weights scaled up so that it predicts sharply, the next-token cross-entropy of a prompt
+    under int8 is within 1 % of fp32's and under int4 within 10 %, and int8 is the nearer."""
+    torch.manual_seed(0)
+    model = tiny("llama")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0 if p.dim() == 2 else 1.0)
+    ids = torch.randint(0, 300, (1, 48))
+
+    def entropy(weights: str) -> float:
+        import copy
+
+        m = copy.deepcopy(model)
+        decoder, note = fused.fused_decoder(m, None, weights)
+        assert decoder is not None, note
+        with torch.inference_mode():
+            logits = _all_logits(decoder, m.config, ids)
+        return float(torch.nn.functional.cross_entropy(torch.stack(logits[:-1]), ids[0, 1:]))
+
+    plain, int8, int4 = entropy("bf16"), entropy("int8"), entropy("int4")
+    assert abs(int8 - plain) <= 0.01 * plain, (plain, int8)
+    assert abs(int4 - plain) <= 0.10 * plain, (plain, int4)
+    assert abs(int8 - plain) <= abs(int4 - plain)
+
+
+def _all_logits(decoder, config, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each position's logits, one decode step at a time through the engine's cache (the fused forward returns
+    a row's last column only)."""
+    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
+
+    n = ids.shape[1]
+    cache = SlotCache(config, 1, decoder.dtype, "cpu", context=n, start=n)
+    out = []
+    for t in range(n):
+        pos = torch.tensor([[t]])
+        cache.bind(0, pos, n)
+        allowed = torch.arange(n).view(1, 1, 1, n) <= t
+        out.append(decoder(ids[:, t : t + 1], pos, additive_mask(allowed, decoder.dtype), cache)[0])
+    return out
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_the_plan_counts_the_weights_the_engine_holds(kernel, weights):
+    """`gpuwise plan`'s bytes per weight (plan/memory.py SERVED_BITS) against the bytes the quantized decoder
+    holds, measured: within 2 % (the norms, which the plan does not count apart); an untied output layer too."""
+    from gpuwise.plan.memory import served_weight_bytes
+    from gpuwise.workloads.pretrained import spec_of
+
+    for tied in (True, False):
+        model = tiny("llama", tie_word_embeddings=tied)
+        spec = spec_of(model)
+        decoder, note = fused.fused_decoder(model, None, weights)
+        assert decoder is not None, note
+        held, planned = decoder.held_bytes(), served_weight_bytes(spec, weights)
+        # an untied model keeps its embedding plain (bf16 or the model's dtype): read a row at a time, not a product
+        if not tied:
+            planned += spec.hidden * 300 * (4 - 8.5 / 8)  # fp32 here, where the plan counts Q8_0
+        assert math.isclose(held, planned, rel_tol=0.02), (tied, held, planned)
+
+
+def test_what_the_quantized_kernels_do_not_serve_is_one_line():
+    gemma = tiny("gemma")
+    with pytest.raises(fused.NotQuantizable, match="--weights int8 runs on gpuwise.s fused decoder, which"):
+        fused.fused_decoder(gemma, None, "int8")
+
+
+def test_the_kernel_takes_only_the_formats_it_knows(kernel):
+    """A format id the kernels do not know, or a block format over rows that are not whole blocks, is refused
+    (rc 1) rather than read."""
+    x, out = torch.randn(1, 64), torch.empty(1, 8)
+    w = np.zeros((8, 64 // 32 * 34), np.uint8)
+    assert kernel.gemv_fn(0, 7, x.data_ptr(), w.ctypes.data, 0, out.data_ptr(), 1, 8, 64, 0) == 1
+    assert kernel.gemv_fn(0, 8, x.data_ptr(), w.ctypes.data, 0, out.data_ptr(), 1, 8, 48, 0) == 1
+    assert kernel.gemv_fn(0, 8, x.data_ptr(), w.ctypes.data, 0, out.data_ptr(), 1, 8, 64, 0) == 0
