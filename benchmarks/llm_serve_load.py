@@ -5,6 +5,8 @@ SmolLM2-135M-Instruct, the official `openai` client as the load generator.
 Run: .venv/bin/python benchmarks/llm_serve_load.py [--dtypes fp32,bf16] [--rounds 2]
      [--servers gpuwise,gpuwise-no-prefix,hf,hf-cb]
      issue #37's table: --dtypes bf16 --servers gpuwise,gpuwise-llama.cpp,llama.cpp,llama.cpp-q4_1,gpuwise-vllm,vllm
+     issue #54's table: --dtypes bf16
+                        --servers gpuwise,gpuwise-int8,gpuwise-int4,llama.cpp,llama.cpp-q8_0,llama.cpp-q4_1
 
 Each server is a fresh process on loopback, given the same converted model directory and dtype; all of a
 dtype's servers are up at once (the CPU time each takes while idle is printed: none should) and take turns.
@@ -26,6 +28,11 @@ whole but its last token, as a chat's earlier turns would be. `gpuwise --prefix-
 server without it; the share of prompt tokens found is printed from each gpuwise server's /metrics.
 Goals (issue #12): at 32, >= 2x the peer's continuous-batching tokens/s with a lower TTFT p50; >= 3x
 gpuwise's own concurrency-1 throughput; at 1, at least the peer's tokens/s.
+
+Bytes (issue #54): each server's weight bytes read per decode step (gpuwise's: the planner's bytes per weight,
+which tests/test_quant.py holds to the bytes the engine holds; llama.cpp's: the tensors of the GGUF it serves),
+and at one stream the bandwidth that reaches (tok/s x bytes), against what benchmarks/weight_read.cpp reads
+on this host in the same run (compiled here; its best variant).
 """
 
 from __future__ import annotations
@@ -77,22 +84,72 @@ def vllm_alone(model_dir: str, dtype: str, port: int, python: str) -> tuple[list
     return [python, "-m", "vllm.entrypoints.openai.api_server", *args.args(), "--port", str(port)], args.env()
 
 
-def llama_cpp_alone(model_dir: str, dtype: str, port: int, shipped: bool = False) -> list[str]:
-    """llama.cpp's own llama-server with the knobs `gpuwise serve --engine llama.cpp` gives it
-    (plan.engines.LlamaCppArgs), on the GGUF gpuwise converts the same model to with llama.cpp's converter;
-    `shipped`: on the named base's GGUF as it ships (Q4_1), what `--engine auto` serves it from."""
+def weight_bytes(kind: str, model_dir: str, dtype: str) -> float:
+    """Bytes of weights a server reads a decode step: the planner's for gpuwise's (held bytes: tests/test_quant.py),
+    the GGUF's tensors for llama.cpp's; nan for the rest."""
+    from gpuwise.plan.memory import served_weight_bytes
+    from gpuwise.workloads.pretrained import spec_of
+
+    if kind.startswith("gpuwise") and kind not in ("gpuwise-vllm", "gpuwise-llama.cpp"):
+        from types import SimpleNamespace
+
+        from transformers import AutoConfig
+
+        spec = spec_of(SimpleNamespace(config=AutoConfig.from_pretrained(model_dir)))
+        weights = kind.removeprefix("gpuwise-") if kind in ("gpuwise-int8", "gpuwise-int4") else "bf16"
+        return served_weight_bytes(spec, weights) * (2 if dtype == "fp32" and weights == "bf16" else 1)
+    if kind.startswith("llama.cpp"):
+        from gguf import GGUFReader
+
+        return float(sum(int(t.n_bytes) for t in GGUFReader(llama_cpp_gguf(model_dir, dtype, kind)).tensors))
+    return float("nan")
+
+
+def weight_read_gbs() -> float:
+    """What benchmarks/weight_read.cpp reads on this host (GB/s, its best variant), compiled and run now with as
+    many threads as the servers compute on; nan where it cannot be built."""
+    import re
+
     import torch
 
-    from gpuwise.plan.engines import LlamaCppArgs
+    exe = Path(tempfile.mkdtemp()) / "weight_read"
+    source = Path(__file__).with_name("weight_read.cpp")
+    built = subprocess.run(["g++", "-O3", "-march=native", "-fopenmp", str(source), "-o", str(exe)],
+                           capture_output=True, text=True)  # fmt: skip
+    if built.returncode:
+        print(f"weight_read.cpp did not build: {built.stderr[-300:]}", file=sys.stderr)
+        return float("nan")
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    out = subprocess.run([str(exe)], capture_output=True, text=True, env=env).stdout
+    return max((float(x) for x in re.findall(r"([0-9.]+) GB/s", out)), default=float("nan"))
+
+
+def llama_cpp_gguf(model_dir: str, dtype: str, kind: str) -> Path:
+    """The GGUF a llama.cpp server of `kind` serves (converted once by llama.cpp's converter, cached)."""
     from gpuwise.serve.engines.llamacpp import find_llama_server, gguf_model
 
     found = find_llama_server(None)
     if found is None:
         raise SystemExit("llama.cpp: no llama-server (make llama.cpp)")
-    if shipped:
-        gguf, _ = gguf_model(BASE, model_dir, "auto", found[0])
-    else:
-        gguf, _ = gguf_model(model_dir, model_dir, dtype, found[0])
+    if kind == "llama.cpp-q4_1":
+        return gguf_model(BASE, model_dir, "auto", found[0])[0]
+    return gguf_model(model_dir, model_dir, "q8_0" if kind == "llama.cpp-q8_0" else dtype, found[0])[0]
+
+
+def llama_cpp_alone(model_dir: str, dtype: str, port: int, kind: str = "llama.cpp") -> list[str]:
+    """llama.cpp's own llama-server with the knobs `gpuwise serve --engine llama.cpp` gives it
+    (plan.engines.LlamaCppArgs), on the GGUF gpuwise converts the same model to with llama.cpp's converter;
+    kind llama.cpp-q4_1: on the named base's GGUF as it ships (Q4_1), what `--engine auto` serves it from;
+    llama.cpp-q8_0: on the Q8_0 GGUF llama.cpp's converter makes of the same model."""
+    import torch
+
+    from gpuwise.plan.engines import LlamaCppArgs
+    from gpuwise.serve.engines.llamacpp import find_llama_server
+
+    found = find_llama_server(None)
+    if found is None:
+        raise SystemExit("llama.cpp: no llama-server (make llama.cpp)")
+    gguf = llama_cpp_gguf(model_dir, dtype, kind)
     args = LlamaCppArgs(str(gguf), Path(model_dir).name, 32 * CONTEXT, 32, torch.get_num_threads(),
                         cache_type="f32" if dtype == "fp32" else "f16")  # fmt: skip
     return [str(found[0]), *args.args(), "--port", str(port)]
@@ -115,8 +172,8 @@ def start(
     if kind == "vllm":
         cmd, env = vllm_alone(model_dir, dtype, port, vllm_python)
         model = Path(model_dir).name
-    elif kind in ("llama.cpp", "llama.cpp-q4_1"):
-        cmd, model = llama_cpp_alone(model_dir, dtype, port, shipped=kind == "llama.cpp-q4_1"), Path(model_dir).name
+    elif kind in ("llama.cpp", "llama.cpp-q4_1", "llama.cpp-q8_0"):
+        cmd, model = llama_cpp_alone(model_dir, dtype, port, kind), Path(model_dir).name
     elif kind.startswith("gpuwise"):
         cmd = [
             sys.executable,
@@ -140,6 +197,8 @@ def start(
             cmd += ["--vllm-python", vllm_python]
         if kind == "gpuwise-llama.cpp":
             cmd[-1] = "llama.cpp"
+        if kind in ("gpuwise-int8", "gpuwise-int4"):
+            cmd += ["--weights", kind.removeprefix("gpuwise-")]
         cmd += list(extra)
         model = Path(model_dir).name
     else:
@@ -332,6 +391,9 @@ def main() -> None:
         "gpuwise-llama.cpp": "gpuwise --engine llama.cpp",
         "llama.cpp": "llama.cpp alone",
         "llama.cpp-q4_1": "llama.cpp alone, Q4_1",
+        "llama.cpp-q8_0": "llama.cpp alone, Q8_0",
+        "gpuwise-int8": "gpuwise --weights int8",
+        "gpuwise-int4": "gpuwise --weights int4",
     }
     logs = Path(tempfile.mkdtemp())
     rows = []
@@ -341,8 +403,11 @@ def main() -> None:
     if args.baseline:
         kinds.append(base := f"gpuwise@{args.baseline}")
         names[base], src[base] = base, worktree(args.baseline, logs)
+    read_gbs = weight_read_gbs() if args.device == "cpu" else float("nan")
+    per_step: dict[tuple[str, str], float] = {}
     for dtype in dtypes:
         bound = bounds(params, dtype, args.device)
+        per_step.update({(dtype, names[k]): weight_bytes(k, model_dir, dtype) for k in kinds})
         servers = {}
         try:
             for kind in kinds:
@@ -396,6 +461,14 @@ def main() -> None:
         )
     for (dtype, name), share in hits.items():
         print(f"{dtype} {name}: {share}")
+    # bytes: what each server reads a step, and at one stream the bandwidth that reaches
+    print(f"weight_read.cpp on this host: {read_gbs:.1f} GB/s")
+    print(f"{'dtype':<6}{'server':<26}{'MB a step':>10}{'GB/s at 1':>10}{'of weight_read':>15}")
+    for dtype, name, c, r, _ in rows:
+        if c != 1 or per_step.get((dtype, name), float("nan")) != per_step.get((dtype, name), float("nan")):
+            continue
+        gbs = r["tokens_per_s"] * per_step[dtype, name] / 1e9
+        print(f"{dtype:<6}{name:<26}{per_step[dtype, name] / 1e6:>10.0f}{gbs:>10.1f}{gbs / read_gbs:>15.0%}")
     if args.json:
         figures = [{"dtype": d, "server": n, "concurrency": c, **r, "bound_tokens_per_s": b} for d, n, c, r, b in rows]
         args.json.write_text(
@@ -412,6 +485,15 @@ def main() -> None:
             print(f"{dtype}: gpuwise at 32 / at 1 = {ours[32] / ours[1]:.2f} (goal >= 3)")
         if ours[1] and plain:
             print(f"{dtype}: at 1, gpuwise / transformers = {ours[1] / plain:.2f} (goal >= 1)")
+        # issue #54's goals: the same bits against llama.cpp, >= 1.0x at one stream and >= 1.5x at 32
+        pairs = (("gpuwise --weights int8", "llama.cpp alone, Q8_0"),
+                 ("gpuwise --weights int4", "llama.cpp alone, Q4_1"))  # fmt: skip
+        for mine, theirs_name in pairs:
+            for c, goal in ((1, 1.0), (8, None), (32, 1.5)):
+                if (a := by.get((dtype, mine, c))) and (b := by.get((dtype, theirs_name, c))):
+                    print(f"{dtype}: at {c}, {mine} / {theirs_name} = {a / b:.2f}", f"(goal >= {goal})" if goal else "")
+        if ours[1] and (int8 := by.get((dtype, "gpuwise --weights int8", 1))):
+            print(f"{dtype}: at 1, gpuwise int8 / gpuwise {dtype} = {int8 / ours[1]:.2f} (goal >= 1.4)")
         # issue #37's goals: against llama.cpp on the same weights, >= 0.8x at one stream and >= 1.0x at 32
         goals = {("llama.cpp alone", 1): " (goal >= 0.8)", ("llama.cpp alone", 32): " (goal >= 1.0)"}
         for name in ("gpuwise --engine vllm", "vLLM alone", "gpuwise --engine llama.cpp", "llama.cpp alone",

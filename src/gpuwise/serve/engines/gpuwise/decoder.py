@@ -99,6 +99,12 @@ def unsupported(model) -> str | None:
     return None
 
 
+# Quantized products of this many rows or more go to the library a chunk of weight rows at a time (`_qlinear`);
+# below, the kernel's own: against it oneDNN's bf16 product on dequantized chunks ran 0.3-0.8x as fast at 16-64
+# rows and 1.2-4x at 128-512 (SmolLM2-135M's shapes, 2-core Xeon; docs/serving.md, "Fewer bytes per token").
+LIBRARY_ROWS = 96
+CHUNK_ROWS = 1024  # 1024 x 576 bf16 weights: 1.2 MB, in the L2 cache
+
 # which rows each LoRA adapter updates (None: every row)
 Groups = tuple[tuple[str, torch.Tensor | None], ...]
 
@@ -193,12 +199,26 @@ class _Linear:
         assert self.quant is not None
         if self.kernel is not None:
             try:
+                if x.numel() >= LIBRARY_ROWS * x.shape[-1]:
+                    return self._qlinear(x)
                 return self.kernel.qgemv(x, self.quant, self.bias)
             except (ValueError, RuntimeError) as e:
                 log.warning("the quantized product kernel failed (%s): dequantizing for each product", e)
                 self.kernel = None
         # no copy kept: dequantized for this product only (slow, but the answer is the same)
         return F.linear(x, dequantize(self.quant, x.dtype), self.bias)
+
+    def _qlinear(self, x: torch.Tensor) -> torch.Tensor:
+        """A product of many rows (a prompt's): CHUNK_ROWS of the weight's rows at a time dequantized into the
+        cache and multiplied by the library's product (oneDNN's AMX or AVX-512 kernels), which outruns the
+        kernel's own fp32 products there (1.2-4x at 128-512 rows; docs/serving.md, "Fewer bytes per token")."""
+        assert self.quant is not None and self.kernel is not None
+        out = torch.empty((*x.shape[:-1], self.quant.rows), dtype=x.dtype)
+        for o in range(0, self.quant.rows, CHUNK_ROWS):
+            part = self.kernel.dequantize(self.quant, slice(o, o + CHUNK_ROWS), x.dtype)
+            bias = None if self.bias is None else self.bias[o : o + part.shape[0]]
+            out[..., o : o + part.shape[0]] = F.linear(x, part, bias)
+        return out
 
 
 def _format(x: _Linear) -> int:
@@ -520,14 +540,15 @@ class FusedDecoder:
         n = ids.shape[0]
         return self.run([Part(ids, pos, bias, cache.rows.start, cache.length, adapters or [None] * n)], cache)[0]
 
-    def run(self, parts: list[Part], cache) -> list[torch.Tensor]:
+    def run(self, parts: list[Part], cache, every: bool = False) -> list[torch.Tensor]:
         """One forward pass over several groups of rows, each with its own width, positions and mask (the
         decode step's rows, one token each, and the rows of prompts being prefilled, a chunk each): their tokens
         go through every matmul together, so the weights are read once for all (a pass at a few tokens is bound
         by that read: docs/serving.md), and each group attends over its own rows of `cache`. The logits of each
-        row's last column, [rows, vocab] in fp32, per group."""
+        row's last column, [rows, vocab] in fp32, per group; `every` (one group): every column's, [rows, q, vocab]
+        (benchmarks/quant_quality.py scores a text with them)."""
         H, K, D = self.heads, self.kv_heads, self.head_dim
-        if self.step is not None and len(parts) == 1 and parts[0].ids.shape[1] == 1:
+        if self.step is not None and len(parts) == 1 and parts[0].ids.shape[1] == 1 and not every:
             part = parts[0]
             if part.ids.shape[0] <= GEMV_ROWS and all(a is None or a not in self.adapters for a in part.adapters):
                 if int(part.pos.max()) + 1 > part.length:  # the kernel reads as far as it is told
@@ -571,6 +592,8 @@ class FusedDecoder:
             x = x + layer.down(F.silu(gate) * up, groups)
         if len(parts) == 1:  # a step of one group (most steps): its rows' last columns as a view
             n, q = parts[0].ids.shape
+            if every:
+                return [self.head(_rms(x.view(n, q, -1), self.norm)).float()]
             return [self.head(_rms(x.view(n, q, -1)[:, -1], self.norm)).float()]
         last, start = [], 0
         for part, size in zip(parts, sizes, strict=True):

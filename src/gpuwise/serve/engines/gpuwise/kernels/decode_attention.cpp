@@ -581,6 +581,33 @@ int gpuwise_gemv(int dtype, int fmt, const void* x, const void* w, const void* b
   return 0;
 }
 
+// Rows r0 .. r0 + n of a weight in a block format (fmt), dequantized into out [n, I] in dtype (0 float32, 1
+// bfloat16): a few rows at a time for a library's product of many rows. Returns 0, or 1 when it does not take them.
+int gpuwise_dequantize(int dtype, int fmt, const void* w, void* out, int64_t r0, int64_t n, int64_t I) {
+  if (fmt == kPlain || !known_format(fmt) || I % 32 != 0 || n < 0 || r0 < 0) return 1;
+  auto run = [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    with_weight<T>(fmt, w, I, I, [&](auto wv) {
+      at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+        alignas(64) float lane[16];
+        for (int64_t r = begin; r < end; ++r)
+          for (int64_t i = 0; i < I; i += 16) {
+            _mm512_store_ps(lane, wv.load(r0 + r, i));
+            for (int j = 0; j < 16; ++j) o[r * I + i + j] = static_cast<T>(lane[j]);
+          }
+      });
+    });
+  };
+  if (dtype == 0) {
+    run(static_cast<float*>(out));
+  } else if (dtype == 1) {
+    run(static_cast<c10::BFloat16*>(out));
+  } else {
+    return 1;
+  }
+  return 0;
+}
+
 // dtype: 0 float32, 1 bfloat16; fmt: the layers' weights' format, head_fmt the output layer's (kPlain: dtype's;
 // a block format: E, H * D and F multiples of 32). Returns 0, or 1 when the shapes are not ones it takes.
 int gpuwise_decode_step(int dtype, int fmt, int head_fmt, void* x, const void* cos, const void* sin,
