@@ -265,7 +265,8 @@ async def level(url: str, model: str, concurrency: int, requests: int) -> tuple[
     """Each request's timings, and the wall time of all of them."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    # a connection refused or dropped before a response is retried (llama-server dropped one new connection in 2,000)
+    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=2, timeout=600)
     gate = asyncio.Semaphore(concurrency)
 
     async def gated(i: int) -> dict:

@@ -221,3 +221,54 @@ def test_the_kernel_takes_only_the_formats_it_knows(kernel):
     assert kernel.gemv_fn(0, 7, x.data_ptr(), w.ctypes.data, 0, out.data_ptr(), 1, 8, 64, 0) == 1
     assert kernel.gemv_fn(0, 8, x.data_ptr(), w.ctypes.data, 0, out.data_ptr(), 1, 8, 48, 0) == 1
     assert kernel.gemv_fn(0, 8, x.data_ptr(), w.ctypes.data, 0, out.data_ptr(), 1, 8, 64, 0) == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--weights", "int9"], "--weights int9: choose auto, bf16, int8, int4"),
+        (["--weights", "bf16", "--dtype", "fp32"], "--weights bf16 with --dtype fp32: give one of them"),
+        (["--weights", "int4", "--dtype", "q8_0"], "--weights int4 computes in bf16 or fp32 (--dtype), not q8_0"),
+    ],
+)
+def test_serve_weights_flags_are_checked_before_anything_loads(flags, message, capsys):
+    from gpuwise.cli.app import main
+
+    assert main(["serve", "smollm2-135m-instruct", "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == f"gpuwise: error: {message}\n"
+
+
+def test_the_named_bases_q4_1_file_loads_into_the_engine_as_it_ships(kernel):
+    """SmolLM2-135M-Instruct ships as a Q4_1 GGUF (Q8_0 embedding): `--weights int4` takes its blocks as they are
+    (q and k rows put back in transformers' order), every product of them, and the tied embedding is the file's
+    Q8_0 table. What they hold is exactly the weights transformers dequantizes from the same file, so in fp32 the
+    engine's logits are transformers' fp32 forward's within the order of the sums (measured below 1e-5 of the
+    largest logit; allowed 1e-4)."""
+    from transformers import AutoModelForCausalLM
+
+    from gpuwise.plan.bases import named_base_path
+    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
+    from gpuwise.serve.engines.gpuwise.quant import gguf_blocks
+    from gpuwise.workloads.pretrained import resolve_base
+
+    source = resolve_base("smollm2-135m-instruct")
+    model = AutoModelForCausalLM.from_pretrained(source).eval()
+    reference = AutoModelForCausalLM.from_pretrained(source).eval()
+    layer = model.model.layers[0]
+    plain_qkv = torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight])
+    plain_qkv = plain_qkv.detach().clone()
+    decoder, note = fused.fused_decoder(model, None, "int4", gguf_blocks(named_base_path("smollm2-135m-instruct")))
+    assert decoder is not None and "121 of 121 products as the GGUF ships them" in note, note
+    assert torch.equal(dequantize(decoder.layers[0].qkv.quant), plain_qkv)
+    assert decoder.head.quant.fmt.name == "Q8_0" and decoder.embed_q is decoder.head.quant
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30, 2]])
+    n = ids.shape[1]
+    pos = torch.arange(n).unsqueeze(0)
+    cache = SlotCache(reference.config, 1, torch.float32, "cpu", context=n, start=n)
+    cache.bind(0, pos, n)
+    with torch.inference_mode():
+        ours = decoder(ids, pos, additive_mask(pos.view(1, 1, n, 1) >= pos.view(1, 1, 1, n), torch.float32), cache)
+        theirs = reference(input_ids=ids).logits[:, -1].float()
+    off = float((ours - theirs).abs().max() / theirs.abs().max())
+    assert off <= 1e-4, off

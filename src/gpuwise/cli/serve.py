@@ -293,6 +293,10 @@ def serve(
         raise GpuwiseError(f"--runtime {runtime}: choose torch or onnx")
     if weights not in WEIGHTS:
         raise GpuwiseError(f"--weights {weights}: choose {', '.join(WEIGHTS)}")
+    if weights == "bf16" and dtype not in ("auto", "bf16"):
+        raise GpuwiseError(f"--weights bf16 with --dtype {dtype}: give one of them")
+    if weights in ("int8", "int4") and dtype not in ("auto", "bf16", "fp32"):
+        raise GpuwiseError(f"--weights {weights} computes in bf16 or fp32 (--dtype), not {dtype}")
     if weights in ("int8", "int4") and engine == "auto":
         engine = "gpuwise"  # the quantized weights are gpuwise's engine's
     if api_key_file is not None:

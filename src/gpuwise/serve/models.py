@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuwise.errors import GpuwiseError, loading_model
 from gpuwise.hardware.devices import llm_device_dtype
-from gpuwise.plan.bases import NAMED_BASES
+from gpuwise.plan.bases import NAMED_BASES, named_base_path
 from gpuwise.plan.model import read_gguf_header
 from gpuwise.serve.engines.gpuwise.backend import WHY, gpuwise_backends
 from gpuwise.serve.engines.gpuwise.quant import QUANTIZED
@@ -72,13 +72,14 @@ def load(
     return load_served(Path(target.ref), runtime, limits, dtype, chosen.why, weights)[0]
 
 
-def gpuwise_llm(groups: list, limits: Limits, dtype: str, why: str, weights: str = "auto", **about: str) -> LLM:
+def gpuwise_llm(
+    groups: list, limits: Limits, dtype: str, why: str, weights: str = "auto", gguf: Path | None = None, **about: str
+) -> LLM:
     """(model, tokenizer, [(model id, adapter)]) groups behind the OpenAI front on gpuwise's own engine; `weights`
-    (auto: the dtype's) bf16, or int8 / int4 quantized at load (quant.py)."""
+    (auto: the dtype's) bf16, or int8 / int4 quantized at load (quant.py), or taken as the GGUF file `gguf` ships
+    them where it holds them in that format."""
     device, dtype = llm_device_dtype("bf16" if dtype == "auto" and weights == "bf16" else dtype)
-    if weights == "bf16" and dtype != "bf16":
-        raise GpuwiseError(f"--weights bf16 with --dtype {dtype}: give one of them")
-    backends = gpuwise_backends(groups, limits, dtype, device, weights)
+    backends = gpuwise_backends(groups, limits, dtype, device, weights, gguf)
     return LLM(backends, limits, dtype, device, f"engine: gpuwise ({why})", **about)
 
 
@@ -154,7 +155,18 @@ def load_model(
     if tok.eos_token_id is None:
         raise GpuwiseError(f"serve {ref}: its tokenizer has no end-of-text token")
     about = source if source != ref else ""
-    return gpuwise_llm([(model, tok, [(name or model_id(ref), None)])], limits, dtype, why, weights, about=about)
+    shipped = shipped_gguf(ref) if weights in QUANTIZED else None
+    group = (model, tok, [(name or model_id(ref), None)])
+    return gpuwise_llm([group], limits, dtype, why, weights, shipped, about=about)
+
+
+def shipped_gguf(ref: str) -> Path | None:
+    """The GGUF file `ref` names (a named base, a .gguf path), whose quantized blocks `--weights` may take as they
+    ship; None for anything else."""
+    if ref in NAMED_BASES:
+        return Path(named_base_path(ref))
+    path = Path(ref).expanduser()
+    return path if path.suffix.lower() == ".gguf" and path.is_file() else None
 
 
 def model_groups(

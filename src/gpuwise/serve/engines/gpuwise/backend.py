@@ -5,6 +5,7 @@ share it), its weights cast and packed, its forward fused where the model allows
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import torch
 
@@ -17,7 +18,7 @@ from gpuwise.serve.engines.base import EngineStats
 from gpuwise.serve.engines.gpuwise.decoder import NotQuantizable, fused_decoder
 from gpuwise.serve.engines.gpuwise.engine import Engine
 from gpuwise.serve.engines.gpuwise.packed import MKL, ONEDNN, mkl_fits, pack_linears, packing
-from gpuwise.serve.engines.gpuwise.quant import QUANTIZED
+from gpuwise.serve.engines.gpuwise.quant import QUANTIZED, gguf_blocks
 from gpuwise.workloads.pretrained import spec_of
 from gpuwise.workloads.serving import Limits
 
@@ -30,7 +31,7 @@ class GpuwiseBackend:
 
     def __init__(
         self, model, tok, limits: Limits, dtype: str, device: str, stats: EngineStats | None = None,
-        weights: str = "auto",
+        weights: str = "auto", gguf: Path | None = None,
     ):  # fmt: skip
         self.tok, self.precision = tok, dtype
         self.weights = weights if weights in QUANTIZED else dtype
@@ -43,7 +44,8 @@ class GpuwiseBackend:
             fits, self.pack_note = mkl_fits(self.model, usable_bytes(free, device))
             self.pack = self.pack if fits else None
         try:
-            self.decoder, self.forward_note = fused_decoder(self.model, self.pack, self.weights)
+            shipped = gguf_blocks(gguf) if gguf is not None and self.weights in QUANTIZED else None
+            self.decoder, self.forward_note = fused_decoder(self.model, self.pack, self.weights, shipped)
         except NotQuantizable as e:
             raise GpuwiseError(str(e)) from None
         if self.weights in QUANTIZED:
@@ -121,9 +123,14 @@ class GpuwiseBackend:
         return f"; {self.packed} weight matrices packed for {self.pack}{extra}"
 
 
-def gpuwise_backends(groups: list, limits: Limits, dtype: str, device: str, weights: str = "auto") -> list:
+def gpuwise_backends(
+    groups: list, limits: Limits, dtype: str, device: str, weights: str = "auto", gguf: Path | None = None
+) -> list:
     """[(GpuwiseBackend, [(model id, adapter)])] for (model, tokenizer, [(model id, adapter)]) groups: an adapter
     name picks a LoRA adapter loaded into that (peft) model, None the base itself. The adapters of one base share
     its weights and its running batch: each row of a step runs its own adapter (peft's mixed-adapter batches),
     as vLLM serves LoRA modules."""
-    return [(GpuwiseBackend(model, tok, limits, dtype, device, weights=weights), names) for model, tok, names in groups]
+    return [
+        (GpuwiseBackend(model, tok, limits, dtype, device, weights=weights, gguf=gguf), names)
+        for model, tok, names in groups
+    ]

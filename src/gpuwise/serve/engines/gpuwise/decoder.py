@@ -29,7 +29,7 @@ from gpuwise.serve.engines.gpuwise import attention
 from gpuwise.serve.engines.gpuwise.attention import GEMV_ROWS, GEMV_ROWS_ALONE
 from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
 from gpuwise.serve.engines.gpuwise.packed import ONEDNN, Packed, PackedLinear
-from gpuwise.serve.engines.gpuwise.quant import WEIGHTS, QuantWeight, dequantize, quantize
+from gpuwise.serve.engines.gpuwise.quant import WEIGHTS, QuantWeight, dequantize, quantize, unpermute
 
 log = logging.getLogger("gpuwise.serve")
 
@@ -49,11 +49,14 @@ class NotQuantizable(ValueError):
     """`--weights int8/int4` asked of a model or a machine the quantized kernels do not serve: why, in one line."""
 
 
-def fused_decoder(model, pack: str | None, weights: str = "bf16") -> tuple[FusedDecoder | None, str]:
+def fused_decoder(
+    model, pack: str | None, weights: str = "bf16", shipped: dict[str, QuantWeight] | None = None
+) -> tuple[FusedDecoder | None, str]:
     """The fused forward for `model` where it covers it and agrees with transformers' at load, else None;
     and one line saying which forward serves it, and why. `weights` int8 or int4: its products then hold
     quantized weights alone (quant.py), checked against transformers' before they are quantized; a model or
-    machine that cannot serve them raises NotQuantizable."""
+    machine that cannot serve them raises NotQuantizable. `shipped`: a GGUF's own blocks, taken as they ship where
+    they are in the format asked for (FusedDecoder.quantize)."""
     why = unsupported(model)
     quantized = WEIGHTS.get(weights) is not None
     if why is not None:
@@ -69,7 +72,7 @@ def fused_decoder(model, pack: str | None, weights: str = "bf16") -> tuple[Fused
         log.warning("the fused decoder is %.2g off transformers' forward: serving with transformers'", off)
         return None, f"transformers' (the fused one was {off:.1e} off it at load)"
     if quantized:
-        decoder.quantize(weights)
+        decoder.quantize(weights, shipped)
     decoder.release(model)
     agree = f"its logits within {off * 100:.2g} % of transformers' at load, of the largest"
     held = f"; weights {decoder.weights}" if quantized else ""
@@ -147,12 +150,16 @@ class _Linear:
         self.quant: QuantWeight | None = None
         self.loras: dict[str, tuple[_Linear, _Linear]] = {}
 
-    def quantize(self, fmt: str) -> None:
-        """Hold the weight in llama.cpp's `fmt` alone (the plain and any packed copy dropped)."""
+    def quantize(self, fmt: str, shipped: QuantWeight | None = None) -> bool:
+        """Hold the weight in llama.cpp's `fmt` alone (the plain and any packed copy dropped): `shipped`, the
+        blocks a GGUF holds for it, where they are in `fmt` and its shape; else quantized now. Whether shipped."""
         if self.kernel is None or self.weight is None:
             raise NotQuantizable("quantized weights are read by gpuwise's CPU kernel, which this product lacks")
-        self.quant = quantize(self.weight, fmt)
+        rows, cols = self.weight.shape
+        taken = shipped is not None and (shipped.fmt.name, shipped.rows, shipped.cols) == (fmt, rows, cols)
+        self.quant = shipped if taken else quantize(self.weight, fmt)
         self.weight = self.packed = None
+        return taken
 
     @property
     def nbytes(self) -> int:
@@ -219,6 +226,37 @@ class _Linear:
             bias = None if self.bias is None else self.bias[o : o + part.shape[0]]
             out[..., o : o + part.shape[0]] = F.linear(x, part, bias)
         return out
+
+
+def _shipped_products(blocks: dict[str, QuantWeight], layers: int, heads: int, kv_heads: int, tied: bool) -> dict:
+    """A GGUF's blocks (llama.cpp's names) as the fused decoder's products: "N.qkv" (q and k unpermuted), "N.o",
+    "N.gate_up", "N.down", "head"; a product whose parts the file does not all hold in one format is left out."""
+    out: dict[str, QuantWeight] = {}
+
+    def joined(parts: list[QuantWeight | None]) -> QuantWeight | None:
+        if any(p is None for p in parts):
+            return None
+        fmt = {p.fmt for p in parts if p is not None}
+        if len(fmt) != 1:
+            return None
+        data = torch.cat([p.data for p in parts if p is not None])
+        return QuantWeight(fmt.pop(), data, data.shape[0], parts[0].cols)  # type: ignore[union-attr]
+
+    for i in range(layers):
+
+        def get(name: str, i: int = i) -> QuantWeight | None:
+            return blocks.get(f"blk.{i}.{name}.weight")
+
+        q, k = get("attn_q"), get("attn_k")
+        qkv = joined([q and unpermute(q, heads), k and unpermute(k, kv_heads), get("attn_v")])
+        for name, product in (("qkv", qkv), ("o", get("attn_output")), ("down", get("ffn_down")),
+                              ("gate_up", joined([get("ffn_gate"), get("ffn_up")]))):  # fmt: skip
+            if product is not None:
+                out[f"{i}.{name}"] = product
+    head = blocks.get("token_embd.weight" if tied else "output.weight")
+    if head is not None:
+        out["head"] = head
+    return out
 
 
 def _format(x: _Linear) -> int:
@@ -357,20 +395,27 @@ class FusedDecoder:
     def linears(self) -> list[_Linear]:
         return [x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
-    def quantize(self, weights: str) -> None:
+    def quantize(self, weights: str, shipped: dict[str, QuantWeight] | None = None) -> None:
         """Hold every product's weight in `weights`' block formats alone (quant.py's WEIGHTS: the layers', the
-        output layer's); an output layer tied to the embedding is then the embedding too, looked up in it."""
+        output layer's); an output layer tied to the embedding is then the embedding too, looked up in it.
+        `shipped`: a GGUF's blocks by name (quant.gguf_blocks): a product whose blocks the file holds in the
+        format asked for takes them as they ship, the others are quantized from the model's weights."""
         layers_fmt, head_fmt = WEIGHTS[weights] or (None, None)
         if layers_fmt is None or head_fmt is None:
             return
         if self.attention is None:
             raise NotQuantizable(f"--weights {weights} needs gpuwise's CPU kernel ({self.why})")
-        for x in self.linears():
-            x.quantize(layers_fmt)
-        self.head.quantize(head_fmt)
+        files = _shipped_products(shipped or {}, len(self.layers), self.heads, self.kv_heads, self.tied)
+        taken = 0
+        for i, layer in enumerate(self.layers):
+            for name in ("qkv", "o", "gate_up", "down"):
+                taken += getattr(layer, name).quantize(layers_fmt, files.get(f"{i}.{name}"))
+        taken += self.head.quantize(head_fmt, files.get("head"))
         if self.tied:
             self.embed_q, self.embed = self.head.quant, None
-        self.weights = f"{weights}: layers {layers_fmt}, output layer {head_fmt}"
+        total = 4 * len(self.layers) + 1
+        where = "" if not shipped else f", {taken} of {total} products as the GGUF ships them"
+        self.weights = f"{weights}: layers {layers_fmt}, output layer {head_fmt}{where}"
         self.step = self._step_pointers()
 
     def held_bytes(self) -> int:

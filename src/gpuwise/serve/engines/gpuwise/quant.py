@@ -11,6 +11,7 @@ bytes, and the quality comparison between the engines one of the kernels alone (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -92,3 +93,30 @@ def dequantize(q: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tens
 def quantized_bytes(params: int, fmt: str) -> float:
     """Bytes `params` weights take in `fmt` (the planner's bytes per weight)."""
     return params * FORMATS[fmt].block_bytes / BLOCK
+
+
+def gguf_blocks(path: str | Path) -> dict[str, QuantWeight]:
+    """The tensors of a GGUF file held in a block format the kernels read (Q8_0, Q4_0, Q4_1), by their GGUF
+    names (blk.N.attn_q.weight...), as they ship: copied out of the file, not converted. Rows as stored (llama.cpp's
+    converter permutes q's and k's rows for its rotary layout: `FusedDecoder.quantize` puts them back)."""
+    from gguf import GGUFReader
+
+    blocks = {}
+    for tensor in GGUFReader(str(path)).tensors:
+        fmt = BY_TYPE.get(int(tensor.tensor_type))
+        if fmt is None or len(tensor.shape) != 2:
+            continue
+        cols, rows = (int(n) for n in tensor.shape)  # GGUF lists the fastest dimension first
+        data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True)).reshape(rows, -1)
+        if data.shape[1] != cols // BLOCK * fmt.block_bytes:
+            raise ValueError(f"{tensor.name}: {data.shape[1]} bytes a row, not {cols // BLOCK * fmt.block_bytes}")
+        blocks[tensor.name] = QuantWeight(fmt, data, rows, cols)
+    return blocks
+
+
+def unpermute(q: QuantWeight, heads: int) -> QuantWeight:
+    """The rows of a q or k projection as transformers orders them, from the order llama.cpp's converter writes
+    (convert_hf_to_gguf.py `LlamaModel.permute`: each head's two rotary halves interleaved); whole rows move, so the
+    blocks are untouched."""
+    data = q.data.reshape(heads, q.rows // heads // 2, 2, -1).transpose(1, 2).reshape(q.rows, -1).contiguous()
+    return QuantWeight(q.fmt, data, q.rows, q.cols)

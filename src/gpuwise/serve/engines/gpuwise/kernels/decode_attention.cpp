@@ -175,6 +175,7 @@ struct Plain {
   const T* w;
   int64_t so;                                        // row stride, in values
   static constexpr int64_t kEvery = 64 / sizeof(T);  // values a cache line holds: each line prefetched once
+  static constexpr bool kBlocks = false;
   __m512 load(int64_t row, int64_t i) const { return load16(w + row * so + i); }
   __m512 tail(int64_t row, int64_t i, int64_t count) const { return load_tail(w + row * so + i, count); }
   const void* at(int64_t row, int64_t i) const { return w + row * so + i; }
@@ -186,12 +187,22 @@ struct Blocks {
   const uint8_t* w;
   int64_t so;                        // row stride, in bytes: I / 32 blocks of `Bytes`
   static constexpr int64_t kEvery = 32;  // a block's start each block: every line is asked for (Bytes < 64)
+  static constexpr bool kBlocks = true;
+  static constexpr int64_t kBytes = Bytes;
   const uint8_t* block(int64_t row, int64_t i) const { return w + row * so + (i >> 5) * Bytes; }
   __m512 tail(int64_t, int64_t, int64_t) const { return _mm512_setzero_ps(); }
   const void* at(int64_t row, int64_t i) const { return block(row, i); }
 };
 
 struct Q8_0 : Blocks<34> {
+  static constexpr bool kMin = false;  // no offset: a block's sum is d (q . x)
+  // block b of a row: its 32 values before the scale (lo: 0-15, hi: 16-31), its scale, its offset
+  void decode(int64_t row, int64_t b, __m512& lo, __m512& hi, float& d, float& m) const {
+    const uint8_t* p = w + row * so + b * 34;
+    d = half_at(p), m = 0.f;
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18))));
+  }
   __m512 load(int64_t row, int64_t i) const {
     const uint8_t* b = block(row, i);
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + (i & 31)));
@@ -207,7 +218,21 @@ inline __m512 nibbles(const uint8_t* q, int64_t i) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
 }
 
+// a 4-bit block's 32 values from its 16 bytes at q: lo the low nibbles, hi the high ones
+inline void nibbles32(const uint8_t* q, __m512& lo, __m512& hi) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, mask)));
+  hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+}
+
 struct Q4_0 : Blocks<18> {
+  static constexpr bool kMin = true;  // (q - 8) d: an offset of -8 d times the block's sum of x
+  void decode(int64_t row, int64_t b, __m512& lo, __m512& hi, float& d, float& m) const {
+    const uint8_t* p = w + row * so + b * 18;
+    d = half_at(p), m = -8.f * d;
+    nibbles32(p + 2, lo, hi);
+  }
   __m512 load(int64_t row, int64_t i) const {
     const uint8_t* b = block(row, i);
     const float d = half_at(b);
@@ -216,6 +241,12 @@ struct Q4_0 : Blocks<18> {
 };
 
 struct Q4_1 : Blocks<20> {
+  static constexpr bool kMin = true;  // q d + m: an offset of m times the block's sum of x
+  void decode(int64_t row, int64_t b, __m512& lo, __m512& hi, float& d, float& m) const {
+    const uint8_t* p = w + row * so + b * 20;
+    d = half_at(p), m = half_at(p + 2);
+    nibbles32(p + 4, lo, hi);
+  }
   __m512 load(int64_t row, int64_t i) const {
     const uint8_t* b = block(row, i);
     return _mm512_fmadd_ps(nibbles(b + 4, i), _mm512_set1_ps(half_at(b)), _mm512_set1_ps(half_at(b + 2)));
@@ -234,6 +265,53 @@ inline void with_weight(int fmt, const void* w, int64_t I, int64_t w_so, F&& f) 
     case kQ4_1: f(Q4_1{{b, I / 32 * 20}}); break;
     default: f(Plain<T>{static_cast<const T*>(w), w_so}); break;
   }
+}
+
+// The same for a weight in a block format, a block (32 values) at a time: its values are decoded once for all
+// MM input rows, their products with x summed, and the sum scaled by the block's d once (not each value);
+// Q4's offset m comes in as m times the block's sum of x (xs[m * I / 32 + b], summed once a product).
+template <int MM, typename W, typename B, typename Emit>
+inline void qgemv_block(const float* xf, const float* xs, const W& w, const B* bias, int64_t I, int64_t o0,
+                        int64_t rows, Emit&& emit) {
+  constexpr int64_t R = kBlock;
+  const int64_t nb = I / 32;
+  __m512 acc[R][MM];
+  float off[R][MM];
+  for (int64_t r = 0; r < R; ++r)
+    for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_setzero_ps(), off[r][m] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b * W::kBytes % 64 < W::kBytes)  // this block starts a cache line: the rows ahead's same line asked for
+      for (int64_t r = 0; r < R; ++r) _mm_prefetch(static_cast<const char*>(w.at(o0 + kAhead + r, b * 32)), _MM_HINT_T0);
+    __m512 lo[R], hi[R];
+    float d[R], mins[R];
+    for (int64_t r = 0; r < R; ++r) {
+      if (r < rows) {
+        w.decode(o0 + r, b, lo[r], hi[r], d[r], mins[r]);
+      } else {
+        lo[r] = hi[r] = _mm512_setzero_ps(), d[r] = mins[r] = 0.f;
+      }
+    }
+    for (int m = 0; m < MM; ++m) {
+      const __m512 xlo = _mm512_loadu_ps(xf + m * I + b * 32), xhi = _mm512_loadu_ps(xf + m * I + b * 32 + 16);
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 dot = _mm512_fmadd_ps(hi[r], xhi, _mm512_mul_ps(lo[r], xlo));
+        acc[r][m] = _mm512_fmadd_ps(dot, _mm512_set1_ps(d[r]), acc[r][m]);
+        if constexpr (W::kMin) off[r][m] += mins[r] * xs[m * nb + b];
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float b = bias ? static_cast<float>(bias[o0 + r]) : 0.f;
+    for (int m = 0; m < MM; ++m) emit(m, o0 + r, _mm512_reduce_add_ps(acc[r][m]) + off[r][m] + b);
+  }
+}
+
+// each input row's sums of x over the blocks of 32 (what Q4's offsets multiply): xs [M, I / 32]
+inline void block_sums(const float* xf, int64_t M, int64_t I, float* xs) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < I / 32; ++b)
+      xs[m * (I / 32) + b] = _mm512_reduce_add_ps(
+          _mm512_add_ps(_mm512_loadu_ps(xf + m * I + b * 32), _mm512_loadu_ps(xf + m * I + b * 32 + 16)));
 }
 
 // Output rows m0 .. m0 + MM of output columns o0 .. o0 + rows (rows <= kBlock), each weight row read once a
@@ -272,28 +350,39 @@ inline void gemv_block(const float* xf, const W& w, const B* bias, int64_t I, in
   }
 }
 
-// Output columns o0 .. o0 + rows (rows <= kBlock) for all M input rows xf [M, I] in fp32: emit(m, o, v).
+// Output columns o0 .. o0 + rows (rows <= kBlock) for all M input rows xf [M, I] in fp32: emit(m, o, v). xs: the
+// rows' block sums (block_sums) where w is a block format with offsets, else unread.
 template <typename W, typename B, typename Emit>
-void gemv_cols(const float* xf, const W& w, const B* bias, int64_t M, int64_t I, int64_t o0, int64_t rows,
-               Emit&& emit) {
+void gemv_cols(const float* xf, const float* xs, const W& w, const B* bias, int64_t M, int64_t I, int64_t o0,
+               int64_t rows, Emit&& emit) {
   for (int64_t m0 = 0; m0 < M; m0 += kRowsAtOnce) {  // more rows: the block's weights again, from L1
     const float* xm = xf + m0 * I;
     auto at = [&](int m, int64_t o, float v) { emit(m0 + m, o, v); };
-    switch (std::min(kRowsAtOnce, M - m0)) {
-      case 1: gemv_block<1>(xm, w, bias, I, o0, rows, at); break;
-      case 2: gemv_block<2>(xm, w, bias, I, o0, rows, at); break;
-      case 3: gemv_block<3>(xm, w, bias, I, o0, rows, at); break;
-      default: gemv_block<4>(xm, w, bias, I, o0, rows, at); break;
+    if constexpr (W::kBlocks) {
+      const float* sums = xs ? xs + m0 * (I / 32) : nullptr;
+      switch (std::min(kRowsAtOnce, M - m0)) {
+        case 1: qgemv_block<1>(xm, sums, w, bias, I, o0, rows, at); break;
+        case 2: qgemv_block<2>(xm, sums, w, bias, I, o0, rows, at); break;
+        case 3: qgemv_block<3>(xm, sums, w, bias, I, o0, rows, at); break;
+        default: qgemv_block<4>(xm, sums, w, bias, I, o0, rows, at); break;
+      }
+    } else {
+      switch (std::min(kRowsAtOnce, M - m0)) {
+        case 1: gemv_block<1>(xm, w, bias, I, o0, rows, at); break;
+        case 2: gemv_block<2>(xm, w, bias, I, o0, rows, at); break;
+        case 3: gemv_block<3>(xm, w, bias, I, o0, rows, at); break;
+        default: gemv_block<4>(xm, w, bias, I, o0, rows, at); break;
+      }
     }
   }
 }
 
 // Weight blocks begin .. end (kBlock output columns each, of O): emit(m, o, v).
 template <typename W, typename B, typename Emit>
-void gemv_blocks(const float* xf, const W& w, const B* bias, int64_t M, int64_t O, int64_t I, int64_t begin,
-                 int64_t end, Emit&& emit) {
+void gemv_blocks(const float* xf, const float* xs, const W& w, const B* bias, int64_t M, int64_t O, int64_t I,
+                 int64_t begin, int64_t end, Emit&& emit) {
   for (int64_t block = begin; block < end; ++block)
-    gemv_cols(xf, w, bias, M, I, block * kBlock, std::min(kBlock, O - block * kBlock), emit);
+    gemv_cols(xf, xs, w, bias, M, I, block * kBlock, std::min(kBlock, O - block * kBlock), emit);
 }
 
 // A product of any number of rows by a weight in a block format (prefill, many streams): each thread takes
@@ -329,8 +418,9 @@ void wide_blocks(const float* xf, const W& w, const T* bias, T* out, int64_t M, 
 
 template <typename T>
 void gemv(int fmt, const T* x, const void* w, const T* bias, T* out, int64_t M, int64_t O, int64_t I, int64_t w_so) {
-  std::vector<float> xf(M * I);
+  std::vector<float> xf(M * I), xs(fmt == kPlain ? 0 : M * (I / 32));
   for (int64_t j = 0; j < M * I; ++j) xf[j] = static_cast<float>(x[j]);
+  if (fmt != kPlain) block_sums(xf.data(), M, I, xs.data());
   with_weight<T>(fmt, w, I, w_so, [&](auto wv) {
     using W = decltype(wv);
     if (M > kMaxRows && !std::is_same<W, Plain<T>>::value) {
@@ -340,7 +430,7 @@ void gemv(int fmt, const T* x, const void* w, const T* bias, T* out, int64_t M, 
       return;
     }
     at::parallel_for(0, (O + kBlock - 1) / kBlock, 16, [&](int64_t begin, int64_t end) {
-      gemv_blocks(xf.data(), wv, bias, M, O, I, begin, end,
+      gemv_blocks(xf.data(), xs.data(), wv, bias, M, O, I, begin, end,
                   [&](int64_t m, int64_t o, float v) { out[m * O + o] = static_cast<T>(v); });
     });
   });
@@ -435,7 +525,11 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
 #pragma omp single
     barrier = new (barrier_space) SpinBarrier(threads);  // the team's size is known only inside the region
     // (omp single ends with OpenMP's own barrier: every thread sees the barrier from here on)
-    std::vector<float> xf(M * std::max({E, H * D, F}));
+    std::vector<float> xf(M * std::max({E, H * D, F})), xs(M * std::max({E, H * D, F}) / 32 + 1);
+    // the block sums a Q4 product's offsets need, of what xf holds now (I values a row)
+    auto sums = [&](int f, int64_t I) {
+      if (f == kQ4_0 || f == kQ4_1) block_sums(xf.data(), M, I, xs.data());
+    };
     auto add_to_x = [&](int64_t m, int64_t o, float v) {  // the residual: x + the product rounded to T, rounded
       x[m * E + o] = static_cast<T>(static_cast<float>(x[m * E + o]) + static_cast<float>(static_cast<T>(v)));
     };
@@ -447,10 +541,11 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
       T* vc = reinterpret_cast<T*>(p[11]);
       // the norm (every thread its own copy: it is small), then this thread's share of the qkv product
       rms_into(x, w(0), eps[l * 2], xf.data(), M, E);
+      sums(fmt, E);
       {
         auto [b, e] = share((QKV + kBlock - 1) / kBlock, tid, threads);
         with_weight<T>(fmt, weight(1), E, E, [&](auto wv) {
-          gemv_blocks(xf.data(), wv, w(2), M, QKV, E, b, e,
+          gemv_blocks(xf.data(), xs.data(), wv, w(2), M, QKV, E, b, e,
                       [&](int64_t m, int64_t o, float v) { qkv[m * QKV + o] = static_cast<T>(v); });
         });
       }
@@ -496,23 +591,25 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
       barrier->wait();
       // the output projection, added to x column by column (no other thread reads x until the barrier)
       to_float(att.data(), xf.data(), M * H * D);
+      sums(fmt, H * D);
       {
         auto [b, e] = share((E + kBlock - 1) / kBlock, tid, threads);
         with_weight<T>(fmt, weight(3), H * D, H * D,
-                       [&](auto wv) { gemv_blocks(xf.data(), wv, w(4), M, E, H * D, b, e, add_to_x); });
+                       [&](auto wv) { gemv_blocks(xf.data(), xs.data(), wv, w(4), M, E, H * D, b, e, add_to_x); });
       }
       barrier->wait();
       // the MLP's gate and up products for the same columns, then silu(gate) * up for them
       rms_into(x, w(5), eps[l * 2 + 1], xf.data(), M, E);
+      sums(fmt, E);
       {
         auto [b, e] = share((F + kBlock - 1) / kBlock, tid, threads);
         with_weight<T>(fmt, weight(6), E, E, [&](auto wv) {
         for (int64_t block = b; block < e; ++block) {
           T gate[kBlock * kMaxRows], up[kBlock * kMaxRows];
           const int64_t f0 = block * kBlock, rows = std::min(kBlock, F - f0);
-          gemv_cols(xf.data(), wv, w(7), M, E, f0, rows,
+          gemv_cols(xf.data(), xs.data(), wv, w(7), M, E, f0, rows,
                     [&](int64_t m, int64_t o, float v) { gate[(o - f0) * M + m] = static_cast<T>(v); });
-          gemv_cols(xf.data(), wv, w(7), M, E, F + f0, rows,
+          gemv_cols(xf.data(), xs.data(), wv, w(7), M, E, F + f0, rows,
                     [&](int64_t m, int64_t o, float v) { up[(o - F - f0) * M + m] = static_cast<T>(v); });
           for (int64_t f = f0; f < f0 + rows; ++f)
             for (int64_t m = 0; m < M; ++m) {
@@ -525,16 +622,18 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
       }
       barrier->wait();
       to_float(act.data(), xf.data(), M * F);
+      sums(fmt, F);
       {
         auto [b, e] = share((E + kBlock - 1) / kBlock, tid, threads);
-        with_weight<T>(fmt, weight(8), F, F, [&](auto wv) { gemv_blocks(xf.data(), wv, w(9), M, E, F, b, e, add_to_x); });
+        with_weight<T>(fmt, weight(8), F, F, [&](auto wv) { gemv_blocks(xf.data(), xs.data(), wv, w(9), M, E, F, b, e, add_to_x); });
       }
       barrier->wait();
     }
     rms_into(x, final_norm, final_eps, xf.data(), M, E);
+    sums(head_fmt, E);
     auto [b, e] = share((V + kBlock - 1) / kBlock, tid, threads);
     with_weight<T>(head_fmt, head, E, E, [&](auto wv) {
-      gemv_blocks(xf.data(), wv, static_cast<const T*>(nullptr), M, V, E, b, e,
+      gemv_blocks(xf.data(), xs.data(), wv, static_cast<const T*>(nullptr), M, V, E, b, e,
                   [&](int64_t m, int64_t o, float v) { logits[m * V + o] = static_cast<T>(v); });
     });
   }
