@@ -356,6 +356,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="each level, each server, this many times, interleaved")
     ap.add_argument("--levels", default="1,8,32", help="concurrency levels, of 1, 8, 32")
     ap.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
+    ap.add_argument("--gpuwise-threads", type=int, default=0, help="gpuwise's servers' --threads (0: their own)")
     ap.add_argument(
         "--baseline",
         default="",
@@ -413,9 +414,9 @@ def main() -> None:
         try:
             for kind in kinds:
                 log = logs / f"{kind}-{dtype}.log"
-                servers[kind] = start(
-                    kind, model_dir, dtype, log, args.device, src=src.get(kind, ""), vllm_python=args.vllm_python
-                )
+                extra = ("--threads", str(args.gpuwise_threads)) if args.gpuwise_threads else ()
+                servers[kind] = start(kind, model_dir, dtype, log, args.device, extra, src.get(kind, ""),
+                                      args.vllm_python)  # fmt: skip
                 asyncio.run(level(servers[kind][1], servers[kind][2], 1, 1))  # warm-up
             idle = {kind: cpu_seconds(proc.pid) for kind, (proc, _, _) in servers.items()}
             time.sleep(5)

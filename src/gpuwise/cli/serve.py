@@ -388,8 +388,14 @@ def _set_threads(chosen, threads: int | None):
 
     if chosen.engine == "vllm" or serving_device() != "cpu":
         return chosen
-    n, why = compute_threads(detect_cpu().cores, chosen.engine, threads, os.environ.get("OMP_NUM_THREADS"))
+    cores, env = detect_cpu().cores, os.environ.get("OMP_NUM_THREADS")
+    n, why = compute_threads(cores, chosen.engine, threads, env)
     torch.set_num_threads(n)
+    if chosen.engine == "gpuwise" and n < cores and threads is None and not env:
+        from gpuwise.serve.engines.gpuwise import attention
+
+        attention.ALONE_THREADS = cores  # a step of one stream: every core (attention.py says why)
+        why += f", {cores} for a step of one stream"
     return dataclasses.replace(chosen, why=f"{chosen.why}; {why}")
 
 

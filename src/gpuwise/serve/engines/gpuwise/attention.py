@@ -50,6 +50,10 @@ GEMV_ROWS = 8  # kernels/decode_attention.cpp kMaxRows: the whole-step kernel's 
 # many rows, to oneDNN or MKL above: against oneDNN's packed bf16 product 1.02x, 1.10x, 0.96x, 0.79x at 1, 2, 4,
 # 8 rows (benchmarks/engine_step.py, docs/serving.md "One stream")
 GEMV_ROWS_ALONE = 2
+# The threads of a decode step of one row (one stream), where the server keeps a core for its front end: every
+# core. The front end's work a step is then one token, and on a 2-core Xeon the step with both cores ran
+# 1.6x as fast as with one (docs/serving.md, "Fewer bytes per token"); 0: as PyTorch's thread count.
+ALONE_THREADS = 0
 PLAIN = 0  # the kernels' weight format for a weight in the activations' own dtype (quant.py's ggml type ids else)
 
 
@@ -71,7 +75,8 @@ class DecodeAttention:
         f32 = ctypes.c_float
         c_int = ctypes.c_int
         formats = [c_int, c_int, c_int]  # the activations' dtype, the layers' and the output layer's weight formats
-        self.step_fn.argtypes = [*formats, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, f32, ptr, ptr, *[i64] * 10]
+        pointers = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, f32, ptr, ptr]
+        self.step_fn.argtypes = [*formats, *pointers, *[i64] * 10, c_int]  # the last: the step's threads
         self.step_fn.restype = ctypes.c_int
 
     def supports(self, dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:

@@ -103,9 +103,10 @@ def unsupported(model) -> str | None:
 
 
 # Quantized products of this many rows or more go to the library a chunk of weight rows at a time (`_qlinear`);
-# below, the kernel's own: against it oneDNN's bf16 product on dequantized chunks ran 0.3-0.8x as fast at 16-64
-# rows and 1.2-4x at 128-512 (SmolLM2-135M's shapes, 2-core Xeon; docs/serving.md, "Fewer bytes per token").
-LIBRARY_ROWS = 96
+# below, the kernel's own. Against the kernel, oneDNN's bf16 product on chunks dequantized by the kernel library
+# ran 0.6-0.9x as fast at 8 rows, 1.1-1.2x at 16, 1.5-1.7x at 32, 2.8-3.4x at 64 (a layer's four products of
+# SmolLM2-135M in Q8_0 and Q4_1, one thread, 2-core Xeon with AMX; docs/serving.md, "Fewer bytes per token").
+LIBRARY_ROWS = 16
 CHUNK_ROWS = 1024  # 1024 x 576 bf16 weights: 1.2 MB, in the L2 cache
 
 # which rows each LoRA adapter updates (None: every row)
@@ -216,9 +217,9 @@ class _Linear:
         return F.linear(x, dequantize(self.quant, x.dtype), self.bias)
 
     def _qlinear(self, x: torch.Tensor) -> torch.Tensor:
-        """A product of many rows (a prompt's): CHUNK_ROWS of the weight's rows at a time dequantized into the
-        cache and multiplied by the library's product (oneDNN's AMX or AVX-512 kernels), which outruns the
-        kernel's own fp32 products there (1.2-4x at 128-512 rows; docs/serving.md, "Fewer bytes per token")."""
+        """A product of many rows (a prompt's, many streams'): CHUNK_ROWS of the weight's rows at a time
+        dequantized into the cache and multiplied by the library's product (oneDNN's AMX or AVX-512 kernels),
+        which outruns the kernel's own fp32 products there (LIBRARY_ROWS)."""
         assert self.quant is not None and self.kernel is not None
         out = torch.empty((*x.shape[:-1], self.quant.rows), dtype=x.dtype)
         for o in range(0, self.quant.rows, CHUNK_ROWS):
@@ -489,7 +490,7 @@ class FusedDecoder:
         rc = self.attention.step_fn(
             attention.DTYPES[x.dtype], *self.step_formats, *args, eps.data_ptr(), len(self.layers), *final,
             logits.data_ptr(),
-            *shape, logits.shape[1], *strides,
+            *shape, logits.shape[1], *strides, attention.ALONE_THREADS if n == 1 else 0,
         )  # fmt: skip
         if rc:
             log.warning("the decode step kernel refused a step: serving its steps with the Python forward")

@@ -510,13 +510,13 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
                  const int64_t* ptrs, const float* eps, int64_t layers, const T* final_norm, float final_eps,
                  const void* head, T* logits,
                  int64_t M, int64_t E, int64_t H, int64_t K, int64_t D, int64_t F, int64_t V, int64_t c_sn,
-                 int64_t c_sl, int64_t c_sh) {
+                 int64_t c_sl, int64_t c_sh, int threads_asked) {
   const int64_t QKV = (H + 2 * K) * D, half = D / 2;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   std::vector<T> qkv(M * QKV), att(M * H * D), act(M * F);
   std::vector<int64_t> lens(M);
   for (int64_t m = 0; m < M; ++m) lens[m] = pos[m] + 1;
-  const int requested = at::get_num_threads();
+  const int requested = threads_asked > 0 ? threads_asked : at::get_num_threads();
   SpinBarrier* barrier = nullptr;
   alignas(SpinBarrier) unsigned char barrier_space[sizeof(SpinBarrier)];
 #pragma omp parallel num_threads(requested)
@@ -639,6 +639,16 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
   }
 }
 
+// 16 values stored as T: fp32 as they are; bf16 rounded to nearest even, as c10::BFloat16 rounds a finite float
+inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
+
+inline void store16(c10::BFloat16* o, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
 }  // namespace
 
 extern "C" {
@@ -688,12 +698,8 @@ int gpuwise_dequantize(int dtype, int fmt, const void* w, void* out, int64_t r0,
     using T = std::remove_pointer_t<decltype(o)>;
     with_weight<T>(fmt, w, I, I, [&](auto wv) {
       at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-        alignas(64) float lane[16];
         for (int64_t r = begin; r < end; ++r)
-          for (int64_t i = 0; i < I; i += 16) {
-            _mm512_store_ps(lane, wv.load(r0 + r, i));
-            for (int j = 0; j < 16; ++j) o[r * I + i + j] = static_cast<T>(lane[j]);
-          }
+          for (int64_t i = 0; i < I; i += 16) store16(o + r * I + i, wv.load(r0 + r, i));
       });
     });
   };
@@ -708,12 +714,13 @@ int gpuwise_dequantize(int dtype, int fmt, const void* w, void* out, int64_t r0,
 }
 
 // dtype: 0 float32, 1 bfloat16; fmt: the layers' weights' format, head_fmt the output layer's (kPlain: dtype's;
-// a block format: E, H * D and F multiples of 32). Returns 0, or 1 when the shapes are not ones it takes.
+// a block format: E, H * D and F multiples of 32); threads: the step's threads (0: PyTorch's). Returns 0, or 1 when
+// the shapes are not ones it takes.
 int gpuwise_decode_step(int dtype, int fmt, int head_fmt, void* x, const void* cos, const void* sin,
                         const int64_t* pos, int64_t first, const int64_t* ptrs, const float* eps, int64_t layers,
                         const void* final_norm, float final_eps, const void* head, void* logits, int64_t M, int64_t E,
                         int64_t H, int64_t K, int64_t D, int64_t F, int64_t V, int64_t c_sn, int64_t c_sl,
-                        int64_t c_sh) {
+                        int64_t c_sh, int threads) {
   if (M < 1 || M > kMaxRows || D % 16 != 0 || D / 16 > kMaxChunks || K <= 0 || H % K != 0) return 1;
   if (!known_format(fmt) || !known_format(head_fmt)) return 1;
   if (fmt != kPlain && (E % 32 != 0 || (H * D) % 32 != 0 || F % 32 != 0)) return 1;
@@ -722,12 +729,12 @@ int gpuwise_decode_step(int dtype, int fmt, int head_fmt, void* x, const void* c
     decode_step(fmt, head_fmt, static_cast<float*>(x), static_cast<const float*>(cos),
                 static_cast<const float*>(sin), pos, first, ptrs, eps, layers,
                 static_cast<const float*>(final_norm), final_eps, head, static_cast<float*>(logits), M, E, H, K, D,
-                F, V, c_sn, c_sl, c_sh);
+                F, V, c_sn, c_sl, c_sh, threads);
   } else if (dtype == 1) {
     using B = c10::BFloat16;
     decode_step(fmt, head_fmt, static_cast<B*>(x), static_cast<const B*>(cos), static_cast<const B*>(sin), pos,
                 first, ptrs, eps, layers, static_cast<const B*>(final_norm), final_eps, head,
-                static_cast<B*>(logits), M, E, H, K, D, F, V, c_sn, c_sl, c_sh);
+                static_cast<B*>(logits), M, E, H, K, D, F, V, c_sn, c_sl, c_sh, threads);
   } else {
     return 1;
   }
