@@ -26,6 +26,7 @@ import errno
 import functools
 import hashlib
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -75,7 +76,7 @@ class DecodeAttention:
         f32 = ctypes.c_float
         c_int = ctypes.c_int
         formats = [c_int, c_int, c_int]  # the activations' dtype, the layers' and the output layer's weight formats
-        pointers = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, f32, ptr, ptr]
+        pointers: list[type] = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, f32, ptr, ptr]
         self.step_fn.argtypes = [*formats, *pointers, *[i64] * 10, c_int]  # the last: the step's threads
         self.step_fn.restype = ctypes.c_int
 
@@ -152,10 +153,19 @@ class DecodeAttention:
             raise ValueError(f"gemv: the kernel does not take {rows} x {width} by {outs} x {width}")
         return out
 
-    def dequantize(self, weight: QuantWeight, rows: slice, dtype: torch.dtype) -> torch.Tensor:
-        """Rows of a block-format weight as a plain [n, I] tensor in `dtype` (fp32 or bf16)."""
+    def dequantize(
+        self, weight: QuantWeight, rows: slice, dtype: torch.dtype, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows of a block-format weight as a plain [n, I] tensor in `dtype` (fp32 or bf16), written into the
+        front of `scratch` (contiguous, of `dtype`, large enough) where given: a fresh tensor of a chunk's size
+        each call cost as much again as the dequantizing, in page faults."""
         r0, r1, _ = rows.indices(weight.rows)
-        out = torch.empty((max(0, r1 - r0), weight.cols), dtype=dtype)
+        shape = (max(0, r1 - r0), weight.cols)
+        size = math.prod(shape)
+        if scratch is not None and scratch.dtype == dtype and scratch.is_contiguous() and scratch.numel() >= size:
+            out = scratch.view(-1)[:size].view(shape)
+        else:
+            out = torch.empty(shape, dtype=dtype)
         if self.dequantize_fn(DTYPES[dtype], weight.fmt.ggml_type, weight.data.data_ptr(), out.data_ptr(), r0,
                               out.shape[0], weight.cols):  # fmt: skip
             raise ValueError(f"dequantize: the kernel does not take {weight.fmt.name} rows of {weight.cols}")

@@ -18,6 +18,7 @@ one that disagrees, is served by transformers' forward."""
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,8 +223,9 @@ class _Linear:
         which outruns the kernel's own fp32 products there (LIBRARY_ROWS)."""
         assert self.quant is not None and self.kernel is not None
         out = torch.empty((*x.shape[:-1], self.quant.rows), dtype=x.dtype)
+        scratch = _scratch(x.dtype, CHUNK_ROWS * self.quant.cols)
         for o in range(0, self.quant.rows, CHUNK_ROWS):
-            part = self.kernel.dequantize(self.quant, slice(o, o + CHUNK_ROWS), x.dtype)
+            part = self.kernel.dequantize(self.quant, slice(o, o + CHUNK_ROWS), x.dtype, scratch)
             bias = None if self.bias is None else self.bias[o : o + part.shape[0]]
             out[..., o : o + part.shape[0]] = F.linear(x, part, bias)
         return out
@@ -258,6 +260,18 @@ def _shipped_products(blocks: dict[str, QuantWeight], layers: int, heads: int, k
     if head is not None:
         out["head"] = head
     return out
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """One chunk's room for dequantized rows, kept between products by each thread that runs forwards (an
+    engine's): a chunk, not a copy of the weights (CHUNK_ROWS x the widest input: 3 MB for SmolLM2-135M)."""
+    held: dict[torch.dtype, torch.Tensor] = _SCRATCH.__dict__.setdefault("held", {})
+    if dtype not in held or held[dtype].numel() < numel:
+        held[dtype] = torch.empty(numel, dtype=dtype)
+    return held[dtype]
 
 
 def _format(x: _Linear) -> int:
