@@ -30,6 +30,35 @@ def tiny(kind: str, **extra):
     return model_cls(config).eval()
 
 
+def prefill_then_step(decoder, config, dtype, n: int, use_kernel: bool) -> torch.Tensor:
+    """n rows' prompts (of different lengths) prefilled one by one through the engine's cache, then one decode
+    step of all n rows together at their own positions: its logits, through the whole-step kernel or (not
+    `use_kernel`) the Python forward."""
+    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
+
+    ctx = 12
+    ids = torch.tensor([[5, 17, 101, 44, 9, 250, 3, 77, 12, 60, 8, 31]] * n)
+    lengths = [12, 7, 10, 4, 12, 9, 2, 11][:n]  # each row's prompt, prefilled, then one decode step at its position
+    cache = SlotCache(config, n, dtype, "cpu", context=ctx, start=ctx)
+    with torch.inference_mode():
+        for row, length in enumerate(lengths):
+            pos = torch.arange(length - 1).unsqueeze(0)
+            cache.bind(row, pos, length - 1)
+            mask = additive_mask(pos.view(1, 1, -1, 1) >= pos.view(1, 1, 1, -1), dtype)
+            decoder(ids[row : row + 1, : length - 1], pos, mask, cache)
+        pos = torch.tensor([[length - 1] for length in lengths])
+        cache.bind(0, pos, ctx)
+        allowed = torch.arange(ctx).view(1, 1, 1, ctx) <= pos.view(n, 1, 1, 1)
+        last = torch.stack([ids[row, length - 1] for row, length in enumerate(lengths)]).unsqueeze(1)
+        if use_kernel:  # a refusal leaves decoder.step None, as the engine would see it
+            return decoder(last, pos, additive_mask(allowed, dtype), cache)
+        saved, decoder.step = decoder.step, None
+        try:
+            return decoder(last, pos, additive_mask(allowed, dtype), cache)
+        finally:
+            decoder.step = saved
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_the_fused_forward_gives_transformers_logits(kind, dtype):
@@ -124,7 +153,6 @@ def test_a_decode_step_in_one_kernel_call_is_the_python_forward_and_a_refusal_ha
     that the threads' shares of each phase come out uneven."""
     import logging
 
-    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
 
     model = tiny(kind).to(dtype)
     config = model.config
@@ -132,29 +160,9 @@ def test_a_decode_step_in_one_kernel_call_is_the_python_forward_and_a_refusal_ha
     assert decoder is not None, note
     if decoder.step is None:
         pytest.skip(f"the kernel library does not run this decoder's steps here ({decoder.why})")
-    ctx = 12
-    ids = torch.tensor([[5, 17, 101, 44, 9, 250, 3, 77, 12, 60, 8, 31]] * n)
-    lengths = [12, 7, 10, 4, 12, 9, 2, 11][:n]  # each row's prompt, prefilled, then one decode step at its position
 
     def step(use_kernel: bool) -> torch.Tensor:
-        cache = SlotCache(config, n, dtype, "cpu", context=ctx, start=ctx)
-        with torch.inference_mode():
-            for row, length in enumerate(lengths):
-                pos = torch.arange(length - 1).unsqueeze(0)
-                cache.bind(row, pos, length - 1)
-                mask = additive_mask(pos.view(1, 1, -1, 1) >= pos.view(1, 1, 1, -1), dtype)
-                decoder(ids[row : row + 1, : length - 1], pos, mask, cache)
-            pos = torch.tensor([[length - 1] for length in lengths])
-            cache.bind(0, pos, ctx)
-            allowed = torch.arange(ctx).view(1, 1, 1, ctx) <= pos.view(n, 1, 1, 1)
-            last = torch.stack([ids[row, length - 1] for row, length in enumerate(lengths)]).unsqueeze(1)
-            if use_kernel:
-                return decoder(last, pos, additive_mask(allowed, dtype), cache)
-            saved, decoder.step = decoder.step, None
-            try:
-                return decoder(last, pos, additive_mask(allowed, dtype), cache)
-            finally:
-                decoder.step = saved
+        return prefill_then_step(decoder, config, dtype, n, use_kernel)
 
     python, kernel = step(False), step(True)
     off = float((kernel - python).abs().max() / python.abs().max())

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_decoder import tiny
+from test_decoder import prefill_then_step, tiny
 
 from gpuwise.serve.engines.gpuwise import attention
 from gpuwise.serve.engines.gpuwise import decoder as fused
@@ -106,7 +106,6 @@ def test_a_quantized_decode_step_in_one_kernel_call_is_the_python_forward(kernel
     loaders), so their logits agree as the plain weights' do (test_decoder.py): 1e-5 in fp32, 1e-2 in bf16.
     The weights are held once: quantized products only, the model's own layers moved out, and the output layer
     tied to the embedding is the embedding too (looked up in its blocks)."""
-    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
 
     model = tiny("llama", tie_word_embeddings=True).to(dtype)
     decoder, note = fused.fused_decoder(model, None, weights)
@@ -117,28 +116,8 @@ def test_a_quantized_decode_step_in_one_kernel_call_is_the_python_forward(kernel
     assert decoder.embed is None and decoder.embed_q is decoder.head.quant
     assert isinstance(model.model.layers[0].self_attn.q_proj, fused.Moved)
     assert isinstance(model.model.embed_tokens, fused.Moved)
-    ctx = 12
-    ids = torch.tensor([[5, 17, 101, 44, 9, 250, 3, 77, 12, 60, 8, 31]] * n)
-    lengths = [12, 7, 10, 4, 12, 9, 2, 11][:n]
-
     def step(use_kernel: bool) -> torch.Tensor:
-        cache = SlotCache(model.config, n, dtype, "cpu", context=ctx, start=ctx)
-        with torch.inference_mode():
-            for row, length in enumerate(lengths):
-                pos = torch.arange(length - 1).unsqueeze(0)
-                cache.bind(row, pos, length - 1)
-                mask = additive_mask(pos.view(1, 1, -1, 1) >= pos.view(1, 1, 1, -1), dtype)
-                decoder(ids[row : row + 1, : length - 1], pos, mask, cache)
-            pos = torch.tensor([[length - 1] for length in lengths])
-            cache.bind(0, pos, ctx)
-            allowed = torch.arange(ctx).view(1, 1, 1, ctx) <= pos.view(n, 1, 1, 1)
-            last = torch.stack([ids[row, length - 1] for row, length in enumerate(lengths)]).unsqueeze(1)
-            saved = decoder.step
-            decoder.step = saved if use_kernel else None
-            try:
-                return decoder(last, pos, additive_mask(allowed, dtype), cache)
-            finally:
-                decoder.step = saved
+        return prefill_then_step(decoder, model.config, dtype, n, use_kernel)
 
     python, kernel_step = step(False), step(True)
     off = float((kernel_step - python).abs().max() / python.abs().max())

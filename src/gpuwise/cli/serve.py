@@ -369,7 +369,8 @@ def _startup_plan(llm, name: str, engine: str):
     from gpuwise.plan.endpoint import endpoint_replica, startup_line
 
     try:
-        replica, why = endpoint_replica(name, engine, llm.device, llm.precision, load_catalog())
+        weights = getattr(llm.backends[0], "weights", "bf16")
+        replica, why = endpoint_replica(name, engine, llm.device, llm.precision, load_catalog(), weights)
         line, llm.startup = startup_line(replica, why, llm.backends[0].context)
     except GpuwiseError as e:
         return None, f"goodput: not planned: {e}"
@@ -384,17 +385,15 @@ def _set_threads(chosen, threads: int | None):
 
     from gpuwise.hardware.cpu import detect_cpu
     from gpuwise.hardware.devices import serving_device
-    from gpuwise.plan.serving import compute_threads
+    from gpuwise.plan import serving
 
     if chosen.engine == "vllm" or serving_device() != "cpu":
         return chosen
     cores, env = detect_cpu().cores, os.environ.get("OMP_NUM_THREADS")
-    n, why = compute_threads(cores, chosen.engine, threads, env)
+    n, why = serving.compute_threads(cores, chosen.engine, threads, env)
     torch.set_num_threads(n)
     if chosen.engine == "gpuwise" and n < cores and threads is None and not env:
-        from gpuwise.serve.engines.gpuwise import attention
-
-        attention.ALONE_THREADS = cores  # a step of one stream: every core (attention.py says why)
+        serving.ONE_STREAM_THREADS = cores  # a step of one stream: every core (plan/serving.py says why)
         why += f", {cores} for a step of one stream"
     return dataclasses.replace(chosen, why=f"{chosen.why}; {why}")
 

@@ -84,9 +84,10 @@ def serving_plan(
 
 
 def endpoint_replica(
-    model: str, engine: str, device: str, precision: str, catalog: Catalog
+    model: str, engine: str, device: str, precision: str, catalog: Catalog, weights: str = "bf16"
 ) -> tuple[Replica | None, str]:
-    """The replica a server of `model` on `engine` and `device` is planned as, or None and why not."""
+    """The replica a server of `model` on `engine` and `device` is planned as, or None and why not. `weights`
+    int8 / int4 (`serve --weights`): not planned on a CPU, where the step times are measured in bf16 only."""
     try:
         spec = resolve_model(model)
     except GpuwiseError as e:
@@ -98,6 +99,8 @@ def endpoint_replica(
 
     acc, _ = here(catalog)
     if device == "cpu":
+        if weights in ("int8", "int4"):
+            return None, f"not planned: `gpuwise bench --serve` measures bf16 steps, not --weights {weights}"
         fits = [f for f in measured_here(model, spec) if f.get("engine") == engine]
         if not fits:
             return None, f"not measured here: `gpuwise bench --serve {model} --engine {engine}` measures it"

@@ -80,6 +80,12 @@ def usable_bytes(free_bytes: int, device: str) -> int:
     return int(free_bytes * KV_SHARE[device])
 
 
+# The threads of gpuwise's decode step of one row (one stream) where `gpuwise serve` keeps a core for its front
+# end: every core (serve sets it; 0: as the compute threads). The front end's work a step is then one token, and
+# on a 2-core Xeon such a step on both cores ran 1.6x as fast as on one (docs/serving.md, "Fewer bytes per token").
+ONE_STREAM_THREADS = 0
+
+
 def compute_threads(
     cores: int, engine: str = "gpuwise", given: int | None = None, env: str | None = None
 ) -> tuple[int, str]:

@@ -51,10 +51,6 @@ GEMV_ROWS = 8  # kernels/decode_attention.cpp kMaxRows: the whole-step kernel's 
 # many rows, to oneDNN or MKL above: against oneDNN's packed bf16 product 1.02x, 1.10x, 0.96x, 0.79x at 1, 2, 4,
 # 8 rows (benchmarks/engine_step.py, docs/serving.md "One stream")
 GEMV_ROWS_ALONE = 2
-# The threads of a decode step of one row (one stream), where the server keeps a core for its front end: every
-# core. The front end's work a step is then one token, and on a 2-core Xeon the step with both cores ran
-# 1.6x as fast as with one (docs/serving.md, "Fewer bytes per token"); 0: as PyTorch's thread count.
-ALONE_THREADS = 0
 PLAIN = 0  # the kernels' weight format for a weight in the activations' own dtype (quant.py's ggml type ids else)
 
 

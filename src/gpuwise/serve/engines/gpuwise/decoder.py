@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpuwise.plan import serving
 from gpuwise.serve.engines.gpuwise import attention
 from gpuwise.serve.engines.gpuwise.attention import GEMV_ROWS, GEMV_ROWS_ALONE
 from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
@@ -504,7 +505,7 @@ class FusedDecoder:
         rc = self.attention.step_fn(
             attention.DTYPES[x.dtype], *self.step_formats, *args, eps.data_ptr(), len(self.layers), *final,
             logits.data_ptr(),
-            *shape, logits.shape[1], *strides, attention.ALONE_THREADS if n == 1 else 0,
+            *shape, logits.shape[1], *strides, serving.ONE_STREAM_THREADS if n == 1 else 0,
         )  # fmt: skip
         if rc:
             log.warning("the decode step kernel refused a step: serving its steps with the Python forward")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType, GGUFReader, quants  # gguf-py: llama.cpp's own Python package
 
 BLOCK = 32  # values a block holds, along a row
 
@@ -63,8 +64,6 @@ class QuantWeight:
 
 def quantize(weight: torch.Tensor, fmt: str) -> QuantWeight:
     """`weight` [rows, cols] (cols a multiple of 32) in llama.cpp's `fmt`, by gguf-py's reference quantizer."""
-    from gguf import GGMLQuantizationType, quants  # gguf-py: llama.cpp's own Python package
-
     if fmt not in FORMATS:
         raise ValueError(f"no weight format {fmt!r}: one of {', '.join(FORMATS)}")
     if weight.dim() != 2 or weight.shape[1] % BLOCK:
@@ -99,8 +98,6 @@ def gguf_blocks(path: str | Path) -> dict[str, QuantWeight]:
     """The tensors of a GGUF file held in a block format the kernels read (Q8_0, Q4_0, Q4_1), by their GGUF
     names (blk.N.attn_q.weight...), as they ship: copied out of the file, not converted. Rows as stored (llama.cpp's
     converter permutes q's and k's rows for its rotary layout: `FusedDecoder.quantize` puts them back)."""
-    from gguf import GGUFReader
-
     blocks = {}
     for tensor in GGUFReader(str(path)).tensors:
         fmt = BY_TYPE.get(int(tensor.tensor_type))
