@@ -53,7 +53,7 @@ def gpuwise_scores(model_dir: str, ids: list[int], tok, ctx: int, weights: str) 
     from transformers import AutoModelForCausalLM
 
     from gpuwise.serve.engines.gpuwise.decoder import Part, fused_decoder
-    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
+    from gpuwise.serve.engines.gpuwise.kvcache import PagedCache, additive_mask
     from gpuwise.serve.engines.gpuwise.packed import packing
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).to(torch.bfloat16).eval()
@@ -67,10 +67,10 @@ def gpuwise_scores(model_dir: str, ids: list[int], tok, ctx: int, weights: str) 
     mask = additive_mask(pos.view(1, 1, ctx, 1) >= pos.view(1, 1, 1, ctx), torch.bfloat16)
     for first in range(0, len(ids) - ctx + 1, ctx):
         chunk = torch.tensor(ids[first : first + ctx]).unsqueeze(0)
-        cache = SlotCache(config, 1, torch.bfloat16, "cpu", context=ctx, start=ctx)
-        cache.bind(0, pos, ctx)
+        cache = PagedCache.for_rows(config, 1, torch.bfloat16, "cpu", context=ctx)
+        cache.bind(cache.row_table, pos, ctx)
         with torch.inference_mode():
-            logits = decoder.run([Part(chunk, pos, mask, 0, ctx, [None])], cache, every=True)[0][0]
+            logits = decoder.run([Part(chunk, pos, mask, cache.row_table, ctx, [None])], cache, every=True)[0][0]
         half = ctx // 2
         targets = chunk[0, half:]
         logp = torch.log_softmax(logits[half - 1 : ctx - 1], dim=-1)

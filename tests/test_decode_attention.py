@@ -58,6 +58,31 @@ def test_the_kernel_gives_sdpas_attention(dtype, heads, kv_heads, head_dim):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_through_block_tables_the_kernel_reads_what_the_rows_hold_in_their_blocks(dtype):
+    """A paged cache's layer: rows whose blocks are shuffled through the pool, a block size that is no multiple of
+    16, rows ending mid-block: the kernel through the tables gives the same bits as on the rows gathered whole."""
+    kernel, why = attention.load()
+    assert kernel is not None, why
+    torch.manual_seed(1)
+    H, K, D, block, blocks = 6, 2, 32, 5, 40
+    pool_k = torch.randn(blocks, block, K, D).to(dtype)
+    pool_v = torch.randn(blocks, block, K, D).to(dtype)
+    order = torch.randperm(blocks)
+    lens = torch.tensor([23, 1, 5, 14])
+    per = 5  # blocks a row's table holds (25 positions)
+    table = order[: 4 * per].view(4, per).contiguous()
+    q = torch.randn(4, H, D).to(dtype)
+    got = kernel(q, pool_k, pool_v, lens, table)
+    rows_k = pool_k[table].reshape(4, per * block, K, D)  # each row's positions, gathered in order
+    rows_v = pool_v[table].reshape(4, per * block, K, D)
+    assert torch.equal(got, kernel(q, rows_k, rows_v, lens))
+    expected = sdpa(q.float(), rows_k.float(), rows_v.float(), lens)
+    off = float((got.float() - expected).abs().max() / expected.abs().max())
+    assert off <= (2e-6 if dtype == torch.float32 else 2**-8), off
+
+
+@needs_kernel
 def test_the_kernel_refuses_what_it_does_not_take():
     kernel, _ = attention.load()
     assert kernel is not None

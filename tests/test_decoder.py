@@ -34,20 +34,20 @@ def prefill_then_step(decoder, config, dtype, n: int, use_kernel: bool) -> torch
     """n rows' prompts (of different lengths) prefilled one by one through the engine's cache, then one decode
     step of all n rows together at their own positions: its logits, through the whole-step kernel or (not
     `use_kernel`) the Python forward."""
-    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
+    from gpuwise.serve.engines.gpuwise.kvcache import PagedCache, additive_mask
 
     ctx = 12
     ids = torch.tensor([[5, 17, 101, 44, 9, 250, 3, 77, 12, 60, 8, 31]] * n)
     lengths = [12, 7, 10, 4, 12, 9, 2, 11][:n]  # each row's prompt, prefilled, then one decode step at its position
-    cache = SlotCache(config, n, dtype, "cpu", context=ctx, start=ctx)
+    cache = PagedCache.for_rows(config, n, dtype, "cpu", context=ctx)
     with torch.inference_mode():
         for row, length in enumerate(lengths):
             pos = torch.arange(length - 1).unsqueeze(0)
-            cache.bind(row, pos, length - 1)
+            cache.bind(cache.row_table[row : row + 1], pos, length - 1)
             mask = additive_mask(pos.view(1, 1, -1, 1) >= pos.view(1, 1, 1, -1), dtype)
             decoder(ids[row : row + 1, : length - 1], pos, mask, cache)
         pos = torch.tensor([[length - 1] for length in lengths])
-        cache.bind(0, pos, ctx)
+        cache.bind(cache.row_table, pos, ctx)
         allowed = torch.arange(ctx).view(1, 1, 1, ctx) <= pos.view(n, 1, 1, 1)
         last = torch.stack([ids[row, length - 1] for row, length in enumerate(lengths)]).unsqueeze(1)
         if use_kernel:  # a refusal leaves decoder.step None, as the engine would see it
@@ -72,12 +72,12 @@ def test_the_fused_forward_gives_transformers_logits(kind, dtype):
     assert decoder is not None, note
     assert re.search(r"fused decoder \(its logits within [0-9.e-]+ % of transformers' at load, of the largest", note)
     # the check at load, done again here on another prompt through the engine's own cache
-    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
+    from gpuwise.serve.engines.gpuwise.kvcache import PagedCache, additive_mask
 
     n = ids.shape[1]
     pos = torch.arange(n).unsqueeze(0)
-    cache = SlotCache(model.config, 1, dtype, "cpu", context=n, start=n)
-    cache.bind(0, pos, n)
+    cache = PagedCache.for_rows(model.config, 1, dtype, "cpu", context=n)
+    cache.bind(cache.row_table, pos, n)
     with torch.inference_mode():
         got = decoder(ids, pos, additive_mask(pos.view(1, 1, n, 1) >= pos.view(1, 1, 1, n), dtype), cache)[0]
     off = float((got - expected).abs().max() / expected.abs().max())
@@ -113,7 +113,7 @@ def test_a_fused_forward_that_disagrees_with_transformers_is_not_used(monkeypatc
 def test_lora_adapters_are_applied_row_by_row_as_peft_does(dtype):
     from peft import LoraConfig, get_peft_model
 
-    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
+    from gpuwise.serve.engines.gpuwise.kvcache import PagedCache, additive_mask
 
     model = get_peft_model(tiny("llama"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), adapter_name="a")
     model.add_adapter("b", LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"]))
@@ -131,8 +131,8 @@ def test_lora_adapters_are_applied_row_by_row_as_peft_does(dtype):
         expected = reference(input_ids=ids, adapter_names=[a or "__base__" for a in adapters]).logits[:, -1].float()
         n = ids.shape[1]
         pos = torch.arange(n).expand(4, n)
-        cache = SlotCache(model.config, 4, dtype, "cpu", context=n, start=n)
-        cache.bind(0, pos, n)
+        cache = PagedCache.for_rows(model.config, 4, dtype, "cpu", context=n)
+        cache.bind(cache.row_table, pos, n)
         got = decoder(ids, pos, additive_mask(pos.view(4, 1, n, 1) >= pos.view(4, 1, 1, n), dtype), cache, adapters)
     scale = expected.abs().max()
     assert float((got - expected).abs().max() / scale) <= fused.TOLERANCE[dtype]

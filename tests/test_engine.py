@@ -1,7 +1,7 @@
 """The continuous-batching engine on a tiny Llama (fp32, random weights, built from a config): greedy output
 equals transformers' own `generate`, alone, inside a full batch and when requests join mid-way, through
 transformers' forward and through the fused decoder (serve/engines/gpuwise/decoder.py); finished and
-cancelled sequences free their rows; the waiting queue is bounded."""
+cancelled sequences give their KV blocks back; the waiting queue is bounded."""
 
 import threading
 import time
@@ -11,7 +11,7 @@ import torch
 
 from gpuwise.serve.engines.base import Params, QueueFull, Sequence, ShuttingDown
 from gpuwise.serve.engines.gpuwise.engine import Engine
-from gpuwise.serve.engines.gpuwise.kvcache import SlotCache
+from gpuwise.serve.engines.gpuwise.kvcache import CacheFull, PagedCache, PrefixCache
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +68,12 @@ def reference(model, tok, prompt: str, max_tokens: int = 24) -> list[int]:
     return out[: out.index(tok.eos_token_id)] if tok.eos_token_id in out else out
 
 
+BLOCK = 4  # the tests' KV blocks: small, so that the tiny model's short prompts span several and share some
+
+
 def engine(model, tok, **kw) -> Engine:
-    return Engine(model, tok, **({"max_seqs": 8, "kv_budget_tokens": 8 * 256, "max_queue": 16, "context": 256} | kw))
+    defaults = {"max_seqs": 8, "kv_budget_tokens": 8 * 256, "max_queue": 16, "context": 256, "block": BLOCK}
+    return Engine(model, tok, **(defaults | kw))
 
 
 @pytest.mark.parametrize(
@@ -79,7 +83,8 @@ def engine(model, tok, **kw) -> Engine:
          "fused-decoder-packed-prefix-cache"],
 )
 def test_greedy_equals_generate_alone_in_a_full_batch_and_when_joining_midway(tiny, fused, prefix):
-    """With a prefix cache every prompt after the first pass is found in it, all but its last token. Packed:
+    """With a prefix cache every prompt after the first pass is found in it, its whole blocks but the one of its
+    last token. Packed:
     the fused decoder's fp32 products packed as `gpuwise serve` packs them (serve/engines/gpuwise/packed.py:
     oneDNN, or MKL where oneDNN is missing); its decode steps' attention by serve/engines/gpuwise/attention.py's
     kernel where it builds."""
@@ -110,7 +115,8 @@ def test_greedy_equals_generate_alone_in_a_full_batch_and_when_joining_midway(ti
         assert [s.out for s, _ in together] == expected
         if prefix:
             lengths = [len(tok(q)["input_ids"]) for q in prompts]
-            assert sum(reused[8:]) == sum(n - 1 for n in lengths)  # the second pass: all but the last token
+            # the second pass: every whole block before the last token's
+            assert sum(reused[8:]) == sum((n - 1) // BLOCK * BLOCK for n in lengths) > 0
         first = [submit(e, tok, q, max_tokens=24) for q in prompts[:4]]
         while len(first[0][0].out) < 5:  # the next four join while the first are mid-answer
             time.sleep(0.001)
@@ -124,6 +130,9 @@ def test_greedy_equals_generate_alone_in_a_full_batch_and_when_joining_midway(ti
     finally:
         e.close()
     assert not e.running and not e.waiting
+    # every block back but the prefix cache's, each of those held once
+    held = [b for _, blocks in e.prefixes.entries.values() for b in blocks] if e.prefixes else []
+    assert e.cache.in_use == len(held) == len(set(held)) and all(e.cache.refs[b] == 1 for b in held)
 
 
 def test_a_prompt_reuses_what_it_shares_with_an_earlier_one_and_answers_as_alone(tiny):
@@ -143,7 +152,7 @@ def test_a_prompt_reuses_what_it_shares_with_an_earlier_one_and_answers_as_alone
             assert seq.out == reference(model, tok, q)
     finally:
         e.close()
-    assert reused == [0, common] and common >= 6
+    assert reused == [0, common // BLOCK * BLOCK] and common >= 6 and reused[1] >= BLOCK
 
 
 def test_a_prompt_found_whole_prefills_beside_a_new_one_near_the_end_of_the_context(tiny):
@@ -177,12 +186,12 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_serves_the_next(tiny
                        use_cache=True, logits_to_keep=1).logits[:, -1].float()
 
     e = engine(model, tok, decoder=decoder)
-    e.cache = SlotCache(model.config, slots=8, dtype=torch.float32, device="cpu", context=256, start=4)
-    try:  # the cache grows in the first pass, as it does while serving: then it is an inference tensor
-        with e.cv:  # two rows in the failed pass: freeing the first moves the second into its row
+    try:
+        with e.cv:  # two rows in the failed pass: both fail, and both give their blocks back
             failed = [submit(e, tok, q, max_tokens=4) for q in texts[:2]]
         for _, c in failed:
             assert c.done.wait(30) and c.end["finish"] == "error" and "planted" in c.end["error"]
+        assert e.cache.in_use == 0
         seq, c = submit(e, tok, texts[1], max_tokens=4)
         assert c.done.wait(30) and c.end["finish"] in ("stop", "length")
         assert seq.out == reference(model, tok, texts[1], 4)
@@ -190,17 +199,26 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_serves_the_next(tiny
         e.close()
 
 
-def test_the_prefix_cache_keeps_adapters_apart_and_its_bound():
-    from gpuwise.serve.engines.gpuwise.kvcache import PrefixCache
-
-    cache = PrefixCache(tokens=10)
-    kv = torch.zeros(2, 6, 1, 4)
-    cache.put("a", [1, 2, 3, 4, 5, 6], kv, kv)
-    assert cache.longest("a", [1, 2, 3, 9])[0] == 3
-    assert cache.longest("b", [1, 2, 3, 9]) == (0, None)  # another adapter's keys are other keys
-    assert cache.longest("a", [1, 2, 3])[0] == 2  # the last token always runs: its logits are the answer
-    cache.put("a", [7, 8, 9, 10, 11], kv[:, :5], kv[:, :5])  # 11 tokens > 10: the least recently used goes
-    assert cache.longest("a", [1, 2, 3, 9]) == (0, None) and cache.held == 5
+def test_the_prefix_cache_shares_whole_blocks_keeps_adapters_apart_and_its_bound(tiny):
+    model, _, _ = tiny
+    pool = PagedCache(model.config, blocks=8, dtype=torch.float32, device="cpu", block=2)
+    prefixes = PrefixCache(tokens=6, cache=pool)
+    seq = pool.allocate([], 7)  # a prompt of 7 tokens: 4 blocks, the last part-filled
+    prefixes.put("a", [1, 2, 3, 4, 5, 6, 7], seq)
+    assert prefixes.held == 6 and [pool.refs[b] for b in seq] == [2, 2, 2, 1]  # its 3 whole blocks, shared
+    assert prefixes.longest("a", [1, 2, 3, 9]) == (2, ("a", (1, 2, 3, 4, 5, 6, 7)))  # 3 in common: one block
+    assert prefixes.longest("b", [1, 2, 3, 9]) == (0, None)  # another adapter's keys are other keys
+    assert prefixes.longest("a", [1, 2, 3, 4, 5])[0] == 4  # the last token always runs: its logits are the answer
+    taken = prefixes.take(("a", (1, 2, 3, 4, 5, 6, 7)), 4)
+    assert taken == seq[:2] and pool.refs[seq[0]] == 3  # shared again, nothing copied
+    pool.free(seq)  # the first sequence ends: its blocks stay where others hold them
+    assert [pool.refs[b] for b in taken] == [2, 2] and pool.in_use == 3
+    other = pool.allocate([], 4)
+    prefixes.put("a", [8, 9, 10, 11], other)  # 6 + 4 tokens > 6: the least recently used goes
+    assert prefixes.longest("a", [1, 2, 3, 9]) == (0, None) and prefixes.held == 4
+    pool.free(taken)
+    pool.free(other)
+    assert pool.in_use == 2  # the prefix cache's two blocks of [8, 9, 10, 11], nothing else
 
 
 def test_cancelled_and_finished_sequences_free_their_rows(tiny):
@@ -251,19 +269,91 @@ def test_stop_strings_end_the_answer_before_them(tiny):
     assert streamed == full[: full.index(stop)] and c.end["finish"] == "stop"
 
 
-def test_the_cache_grows_and_keeps_what_it_held(tiny):
+def test_the_paged_cache_takes_the_lowest_free_block_and_refuses_past_its_pool(tiny):
     model, _, _ = tiny
-    cache = SlotCache(model.config, slots=2, dtype=torch.float32, device="cpu", context=100, start=4)
-    cache.bind(0, torch.tensor([[0, 1, 2]]), 3)
-    k = torch.randn(1, 2, 3, 16)
-    cache.update(k, k, 0)
-    cache.reserve(9)
-    assert cache.capacity == 9  # doubling 4 gives 8, too few: exactly what was asked
-    torch.testing.assert_close(cache.keys[0, 0, :3].transpose(0, 1), k[0])
-    cache.reserve(12)
-    assert cache.capacity == 18  # doubled
-    cache.reserve(1000)
-    assert cache.capacity == 100  # never past the model's context
+    pool = PagedCache(model.config, blocks=4, dtype=torch.float32, device="cpu", block=3)
+    a = pool.allocate([], 4)  # 4 positions: 2 blocks of 3
+    b = pool.allocate([], 3)
+    assert (a, b, pool.in_use) == ([0, 1], [2], 3)
+    pool.free(a)
+    assert a == [] and pool.allocate(b, 7) == [2, 0, 1] and pool.peak == 3  # the lowest first: pages stay few
+    with pytest.raises(CacheFull, match="4 blocks of 3 tokens are all held"):
+        pool.allocate(b, 16)
+    # the rows' positions through their tables: a row's position p is in block table[p // 3] at p % 3
+    table = pool.tables([[2, 0], [3]])
+    assert table.tolist() == [[2, 0], [3, 3]]  # a short table padded with its own last block
+    pos = torch.tensor([[0, 4], [2, 1]])
+    assert pool.slots(table, pos).tolist() == [[6, 1], [11, 10]]
+    # transformers' Cache contract: written at those slots, read back as [n, kv_heads, length, head_dim]
+    pool.bind(table, pos, 5)
+    k = torch.randn(2, 2, 2, 16)
+    keys, _ = pool.update(k, k, 1)
+    flat, _ = pool.flat(1)
+    assert torch.equal(flat[6], k[0, :, 0]) and torch.equal(flat[10], k[1, :, 1])
+    assert keys.shape == (2, 2, 5, 16) and torch.equal(keys[0, :, 4], k[0, :, 1])
+    with pytest.raises(ValueError, match="reads 7 positions, its tables hold 6"):
+        pool.bind(table, pos, 7)
+
+
+def test_a_long_prompt_among_short_ones_holds_its_tokens_not_rows_of_the_longest():
+    """One 6,000-token prompt among 31 short chats, all decoding at once: the cache holds blocks for about the
+    tokens there are (within 10 %), where a row per sequence as long as the longest held 32 x 6,000; and what
+    is resident of the cache's pool is what those blocks take."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gpuwise.serve.engines.gpuwise.kvcache import resident_bytes
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
+    model = LlamaForCausalLM(config).eval()
+
+    class Tok:  # ids in, ids out: the engine needs only these of a tokenizer
+        eos_token_id = pad_token_id = None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (6000,), generator=g).tolist()]
+    short = torch.randint(40, 200, (31,), generator=g)
+    prompts += [torch.randint(0, 128, (int(n),), generator=g).tolist() for n in short]
+    e = Engine(model, Tok(), max_seqs=32, kv_budget_tokens=32 * 6100, max_queue=32, context=8192)
+    seen, step = [], e._step
+
+    def watched():  # inside the engine's thread: the blocks held and the tokens each sequence holds, one pass
+        if len(e.running) == 32:
+            seen.append((e.cache.in_use, sum(s.length for s in e.running)))
+        step()
+
+    e._step = watched
+    seqs, clients = [], []
+    try:
+        with e.cv:  # each answers until the long prompt has joined the short ones decoding
+            for p in prompts:
+                clients.append(Client())
+                params = Params(4000, temperature=0.0, ignore_eos=True)
+                seqs.append(Sequence(p, params, clients[-1], time.monotonic() + 600))
+                e.submit(seqs[-1])
+        deadline = time.monotonic() + 300
+        while len(seen) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for s in seqs:
+            s.cancel()
+        for c in clients:
+            assert c.done.wait(60) and c.end["finish"] in ("cancelled", "length")
+    finally:
+        e.close()
+    assert seen, "the 32 never decoded together"
+    blocks, tokens = seen[-1]
+    held = blocks * e.cache.block
+    assert tokens <= held <= 1.1 * tokens, (held, tokens)  # a block a sequence at most beyond its tokens
+    assert held < 0.1 * 32 * 6000  # a row per sequence as long as the longest: 32 x 6,000
+    per_block = 2 * e.cache.keys[0, 0].numel() * e.cache.keys.element_size() * config.num_hidden_layers
+    resident = resident_bytes(e.cache.keys) + resident_bytes(e.cache.values)
+    pages = 2 * config.num_hidden_layers * 4096  # a part-filled page at the end of each layer's blocks
+    assert e.cache.peak * per_block <= resident <= e.cache.peak * per_block + pages, (resident, e.cache.peak)
+    assert e.cache.in_use == 0
 
 
 def test_argmax_by_blocks_is_torch_argmax_ties_and_nans_included():
@@ -304,7 +394,7 @@ def widths(e: Engine) -> list[int]:
 @pytest.mark.parametrize("fused", [False, True], ids=["transformers-forward", "fused-decoder"])
 def test_chunked_prefill_answers_as_one_pass_whatever_the_order_rows_and_cancellations(tiny, fused):
     """Prompts of 3 to 60 tokens prefilled 5 token-equivalents a pass, in 3 rows: completions in every row order
-    (a short prompt behind a long one is copied down; with every row in use the two rows swap), a prefill
+    (a short prompt behind a long one, every row in use), a prefill
     cancelled mid-way, and prompts joining while others decode: each answer is transformers' greedy one."""
     from gpuwise.serve.engines.gpuwise.decoder import FusedDecoder
 
@@ -313,19 +403,18 @@ def test_chunked_prefill_answers_as_one_pass_whatever_the_order_rows_and_cancell
     prompts = [" ".join(words[:n]) for n in (2, 50, 40, 3, 30, 5, 2)]
     expected = [reference(model, tok, q, 8) for q in prompts]
     e = chunked(model, tok, 5, max_seqs=3, decoder=FusedDecoder(model, pack=None) if fused else None)
-    seen, swaps, swap = widths(e), [], e.cache.swap
-    e.cache.swap = lambda *a: swaps.append(a) or swap(*a)
+    seen = widths(e)
     both = []  # passes that ran a decode step and a chunk together (the fused decoder's run)
     if fused:
         run = e.decoder.run
         e.decoder.run = lambda parts, cache: both.append([p.ids.shape for p in parts]) or run(parts, cache)
     try:
-        with e.cv:  # three start together in every row; the short one, in the top row, finishes first: a swap
+        with e.cv:  # three start together in every row; the short one finishes first
             first = [submit(e, tok, q, max_tokens=8) for q in prompts[:3]]
         cancelled, c_cancelled = submit(e, tok, " ".join(words[:60]), max_tokens=8)
         while cancelled.done == 0:
             time.sleep(0.0005)
-        cancelled.cancel()  # mid-prefill: its row is refilled, the others' keys stay where they are
+        cancelled.cancel()  # mid-prefill: its blocks go back, the others' keys stay where they are
         rest = [submit(e, tok, q, max_tokens=8) for q in prompts[3:]]
         for _, c in first + rest:
             assert c.done.wait(30)
@@ -334,8 +423,8 @@ def test_chunked_prefill_answers_as_one_pass_whatever_the_order_rows_and_cancell
         e.close()
     assert [s.out for s, _ in first + rest] == expected
     assert max(seen + [w for parts in both for _, w in parts]) <= 5  # chunks of at most 5 tokens
-    assert swaps and (both if fused else seen.count(1))  # decode steps between the chunks, or with them
-    assert not e.running and not e.prefilling
+    assert both if fused else seen.count(1)  # decode steps between the chunks, or with them
+    assert not e.running and not e.prefilling and e.cache.in_use == 0
 
 
 def test_a_long_prefill_lets_a_later_short_prompt_answer_first_and_its_timeout_holds(tiny):

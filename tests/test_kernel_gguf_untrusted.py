@@ -226,12 +226,12 @@ def test_a_cache_of_this_users_that_others_may_read_is_made_private_and_used(bui
 def greedy(decoder, model, prompt: list[int], steps: int) -> list[int]:
     """Greedy tokens through the fused decoder over the engine's cache: a prefill, then one-token decode steps
     (where the decode kernel is used), as the engine runs them."""
-    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
+    from gpuwise.serve.engines.gpuwise.kvcache import PagedCache, additive_mask
 
     n, total = len(prompt), len(prompt) + steps
-    cache = SlotCache(model.config, 1, torch.float32, "cpu", context=total, start=total)
+    cache = PagedCache.for_rows(model.config, 1, torch.float32, "cpu", context=total)
     pos = torch.arange(n).unsqueeze(0)
-    cache.bind(0, pos, n)
+    cache.bind(cache.row_table, pos, n)
     out = []
     with torch.inference_mode():
         logits = decoder(torch.tensor([prompt]), pos, additive_mask(pos.view(1, 1, n, 1) >= pos.view(1, 1, 1, n),
@@ -239,7 +239,7 @@ def greedy(decoder, model, prompt: list[int], steps: int) -> list[int]:
         for p in range(n, total):
             out.append(int(logits[0].argmax()))
             at = torch.tensor([[p]])
-            cache.bind(0, at, p + 1)
+            cache.bind(cache.row_table, at, p + 1)
             logits = decoder(torch.tensor([[out[-1]]]), at, additive_mask(torch.ones(1, 1, 1, p + 1, dtype=torch.bool),
                                                                           torch.float32), cache)
     return out
@@ -285,11 +285,11 @@ def test_a_kernel_that_fails_a_call_hands_the_decoder_to_sdpa(built, fresh, capl
     assert kernel is not None, why
     real, calls, failing = attention.DecodeAttention.__call__, [], [True]
 
-    def shape_check(self, q, keys, values, lens):  # the kernel's own refusal, as a head dim it does not take
+    def shape_check(self, q, keys, values, lens, table=None):  # the kernel's own refusal: a head dim it does not take
         calls.append(q.shape)
         if failing[0]:
             raise ValueError(f"decode attention: the kernel does not take H={q.shape[1]}, K=2, D={q.shape[2]}")
-        return real(self, q, keys, values, lens)
+        return real(self, q, keys, values, lens, table)
 
     monkeypatch.setattr(attention.DecodeAttention, "__call__", shape_check)
     # the attention kernel's own refusal: the whole-step kernel, which calls it from C++, is kept out of the way

@@ -154,14 +154,14 @@ def test_quantized_logits_stay_near_the_plain_ones_on_the_tiny_model(kernel):
 def _all_logits(decoder, config, ids: torch.Tensor) -> list[torch.Tensor]:
     """Each position's logits, one decode step at a time through the engine's cache (the fused forward returns
     a row's last column only)."""
-    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
+    from gpuwise.serve.engines.gpuwise.kvcache import PagedCache, additive_mask
 
     n = ids.shape[1]
-    cache = SlotCache(config, 1, decoder.dtype, "cpu", context=n, start=n)
+    cache = PagedCache.for_rows(config, 1, decoder.dtype, "cpu", context=n)
     out = []
     for t in range(n):
         pos = torch.tensor([[t]])
-        cache.bind(0, pos, n)
+        cache.bind(cache.row_table, pos, n)
         allowed = torch.arange(n).view(1, 1, 1, n) <= t
         out.append(decoder(ids[:, t : t + 1], pos, additive_mask(allowed, decoder.dtype), cache)[0])
     return out
@@ -227,7 +227,7 @@ def test_the_named_bases_q4_1_file_loads_into_the_engine_as_it_ships(kernel):
     from transformers import AutoModelForCausalLM
 
     from gpuwise.plan.bases import named_base_path
-    from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
+    from gpuwise.serve.engines.gpuwise.kvcache import PagedCache, additive_mask
     from gpuwise.serve.engines.gpuwise.quant import gguf_blocks
     from gpuwise.workloads.pretrained import resolve_base
 
@@ -244,8 +244,8 @@ def test_the_named_bases_q4_1_file_loads_into_the_engine_as_it_ships(kernel):
     ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30, 2]])
     n = ids.shape[1]
     pos = torch.arange(n).unsqueeze(0)
-    cache = SlotCache(reference.config, 1, torch.float32, "cpu", context=n, start=n)
-    cache.bind(0, pos, n)
+    cache = PagedCache.for_rows(reference.config, 1, torch.float32, "cpu", context=n)
+    cache.bind(cache.row_table, pos, n)
     with torch.inference_mode():
         ours = decoder(ids, pos, additive_mask(pos.view(1, 1, n, 1) >= pos.view(1, 1, 1, n), torch.float32), cache)
         theirs = reference(input_ids=ids).logits[:, -1].float()

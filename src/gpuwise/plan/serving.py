@@ -16,6 +16,10 @@ from gpuwise.plan.memory import kv_bytes_per_token
 # tokenizer and the OS).
 KV_SHARE = {"cuda": 0.9, "cpu": 0.5}
 
+# Tokens a block of gpuwise's paged KV cache holds (vLLM's default on a GPU): a sequence holds its tokens rounded
+# up to a block, 7.5 tokens a sequence wasted on average; smaller blocks cost more block-table reads a step.
+KV_BLOCK = 16
+
 
 @dataclass(frozen=True)
 class ServingPlan:
@@ -28,6 +32,11 @@ class ServingPlan:
     slots: int
     prefix_tokens: int
     source: str  # where the budget came from: the memory measured, or slots x context
+
+    @property
+    def kv_blocks(self) -> int:
+        """The budget in blocks of KV_BLOCK tokens (gpuwise's paged cache)."""
+        return -(-self.kv_budget // KV_BLOCK)
 
     @property
     def at_full_context(self) -> int:

@@ -53,8 +53,9 @@ class Sequence:
     def __init__(self, prompt: list[int], params: Params, sink: Sink, deadline: float, adapter: str | None = None):
         self.prompt, self.params, self.sink, self.deadline, self.adapter = prompt, params, sink, deadline, adapter
         self.out: list[int] = []
-        self.done = 0  # prompt tokens whose keys and values are in its row (prefilling until all are)
+        self.done = 0  # prompt tokens whose keys and values are in the KV cache (prefilling until all are)
         self.reused = 0  # of those, found in the prefix cache
+        self.blocks: list[int] = []  # gpuwise's engine: the blocks of its paged KV cache, in position order
         self.sent = ""  # text handed to the client so far
         self.finish: str | None = None
         self.cancelled = threading.Event()
@@ -76,7 +77,7 @@ class Sequence:
 
     @property
     def reserved(self) -> int:
-        """KV rows this sequence may come to hold: what admission counts against the budget."""
+        """KV positions this sequence may come to hold: what admission counts against the budget."""
         return len(self.prompt) + self.params.max_tokens
 
     def cancel(self) -> None:
@@ -90,6 +91,7 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     kv_tokens: int = 0  # reserved by the running sequences
+    kv_held: int = 0  # positions the KV blocks held have room for (gpuwise's paged cache, its prefix cache's too)
     on_first_token: Callable[[float], None] = lambda s: None
     on_token: Callable[[float], None] = lambda s: None
     on_finish: Callable[[Sequence], None] = lambda s: None

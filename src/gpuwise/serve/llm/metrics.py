@@ -55,6 +55,11 @@ def register(backends: list[Backend], registry: Any, session: Session | None = N
     Gauge(
         "gpuwise_kv_cache_usage_perc", "Share of the KV budget the running sequences reserve", registry=registry
     ).set_function(lambda: sum(s.kv_tokens for s in stats) / budget)
+    Gauge(
+        "gpuwise_kv_cache_held_tokens",
+        "Positions the KV blocks held have room for (gpuwise's paged cache, its prefix cache included)",
+        registry=registry,
+    ).set_function(lambda: sum(s.kv_held for s in stats))
 
     def finished(seq: Sequence) -> None:
         e2e.observe(time.perf_counter() - seq.t_submit)

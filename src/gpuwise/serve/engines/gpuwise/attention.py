@@ -55,12 +55,14 @@ PLAIN = 0  # the kernels' weight format for a weight in the activations' own dty
 
 
 class DecodeAttention:
-    """The loaded kernel: `__call__(q, keys, values, lens)` for q [n, H, D] and one layer's cache view."""
+    """The loaded kernel: `__call__(q, keys, values, lens, table)` for q [n, H, D] and one layer of the paged KV
+    cache (or one row of keys and values per sequence)."""
 
     def __init__(self, lib: ctypes.CDLL):
         self.fn = lib.gpuwise_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self.fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, *[i64] * 11, ctypes.c_float]
+        # dtype; q, keys, values, the block table, its row stride, the block size; lens, out; shapes and strides
+        self.fn.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, *[i64] * 11, ctypes.c_float]
         self.fn.restype = ctypes.c_int
         self.gemv_fn = lib.gpuwise_gemv
         self.gemv_fn.argtypes = [ctypes.c_int, ctypes.c_int, ptr, ptr, ptr, ptr, *[i64] * 4]
@@ -72,23 +74,41 @@ class DecodeAttention:
         f32 = ctypes.c_float
         c_int = ctypes.c_int
         formats = [c_int, c_int, c_int]  # the activations' dtype, the layers' and the output layer's weight formats
-        pointers: list[type] = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, f32, ptr, ptr]
+        # x, cos, sin, pos; the block table, its row stride, the block size; the layers' addresses, eps, layers;
+        # the final norm, its eps, the output layer, the logits
+        pointers: list[type] = [ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, f32, ptr, ptr]
         self.step_fn.argtypes = [*formats, *pointers, *[i64] * 10, c_int]  # the last: the step's threads
         self.step_fn.restype = ctypes.c_int
 
     def supports(self, dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in DTYPES and head_dim % 16 == 0 and head_dim <= 256
 
-    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """q: [n, H, D]; keys, values: [n, length, K, D] with the same strides (views of a `SlotCache` layer);
-        lens: [n] int64, row i attends to positions 0 .. lens[i]-1, each 1 .. length (the caller checks it once
-        per step: the kernel reads what it is told). Returns [n, H, D], softmax(q k / sqrt(D)) v."""
+    def __call__(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        lens: torch.Tensor,
+        table: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q: [n, H, D]; keys, values: one layer of a `PagedCache`, [blocks, block size, K, D] with the same strides,
+        and `table` [n, blocks a row] int64, row i's blocks in order; or, without a table, [n, length, K, D], a row
+        per sequence. lens: [n] int64, row i attends to positions 0 .. lens[i]-1, each at least 1 and within its
+        table's blocks (the caller checks it once per step: the kernel reads what it is told). Returns [n, H, D],
+        softmax(q k / sqrt(D)) v."""
         n, H, D = q.shape
         K = keys.shape[2]
+        if table is None:  # a row per sequence: each a block of its own
+            table = torch.arange(n, dtype=torch.int64).view(n, 1)
+            if keys.shape[0] != n:
+                raise ValueError(f"decode attention: shapes q {tuple(q.shape)}, keys {tuple(keys.shape)} do not match")
         if (
             keys.shape != values.shape
             or keys.stride() != values.stride()
-            or keys.shape[0] != n
+            or table.dtype != torch.int64
+            or table.dim() != 2
+            or table.shape[0] != n
+            or not table.is_contiguous()
             or keys.shape[3] != D
             or q.stride(2) != 1
             or keys.stride(3) != 1
@@ -105,6 +125,9 @@ class DecodeAttention:
             q.data_ptr(),
             keys.data_ptr(),
             values.data_ptr(),
+            table.data_ptr(),
+            table.shape[1],
+            keys.shape[1],
             lens.data_ptr(),
             out.data_ptr(),
             n,

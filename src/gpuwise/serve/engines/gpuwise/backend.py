@@ -13,7 +13,7 @@ from gpuwise.errors import GpuwiseError
 from gpuwise.hardware.devices import free_memory
 from gpuwise.plan.memory import BYTES, served_weight_bytes, weight_bytes
 from gpuwise.plan.request import PlanRequest
-from gpuwise.plan.serving import ServingPlan, plan_server, usable_bytes
+from gpuwise.plan.serving import KV_BLOCK, ServingPlan, plan_server, usable_bytes
 from gpuwise.serve.engines.base import EngineStats
 from gpuwise.serve.engines.gpuwise.decoder import NotQuantizable, fused_decoder
 from gpuwise.serve.engines.gpuwise.engine import Engine
@@ -103,7 +103,9 @@ class GpuwiseBackend:
             + (f" (held: {held / 1e9:.3f} GB, measured)" if held is not None else "")
             + ", KV cache "
             f"{plan.kv_bytes_per_token / 1024:.1f} KiB per token ({BYTES[precision]} bytes x 2 x layers x KV heads x "
-            f"head dim); budget {plan.kv_budget:,} tokens ({plan.source}): up to {plan.slots} sequences at once, "
+            f"head dim); budget {plan.kv_budget:,} tokens ({plan.source}) in {plan.kv_blocks:,} blocks of {KV_BLOCK}, "
+            f"{plan.kv_budget * plan.kv_bytes_per_token / 1e9:.2f} GB at most, resident as blocks are held: "
+            f"up to {plan.slots} sequences at once, "
             f"{plan.at_full_context:,} of them at the full context of {plan.context:,}"
             + f"; forward: {self.forward_note}"
             + (

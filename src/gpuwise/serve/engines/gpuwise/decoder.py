@@ -29,7 +29,7 @@ from torch import nn
 from gpuwise.plan import serving
 from gpuwise.serve.engines.gpuwise import attention
 from gpuwise.serve.engines.gpuwise.attention import GEMV_ROWS, GEMV_ROWS_ALONE
-from gpuwise.serve.engines.gpuwise.kvcache import SlotCache, additive_mask
+from gpuwise.serve.engines.gpuwise.kvcache import PagedCache, additive_mask
 from gpuwise.serve.engines.gpuwise.packed import ONEDNN, Packed, PackedLinear
 from gpuwise.serve.engines.gpuwise.quant import WEIGHTS, QuantWeight, dequantize, quantize, unpermute
 
@@ -357,15 +357,29 @@ def _rms(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def _check_bounds(part: Part, cache) -> None:
+    """A pass's rows write and read only blocks of the cache, within their tables, and each row attends to its
+    own positions: the kernels read and write where they are told, so this is checked once a pass."""
+    table, pos = part.table, part.pos
+    if table.numel() and (int(table.min()) < 0 or int(table.max()) >= cache.blocks):
+        raise ValueError(f"a block table names blocks outside the cache's {cache.blocks}")
+    if part.length > table.shape[1] * cache.block or int(pos.max()) + 1 > part.length:
+        raise ValueError(
+            f"a row attends to {int(pos.max()) + 1} positions of {part.length} bound, its table holds "
+            f"{table.shape[1] * cache.block}"
+        )
+
+
 @dataclass
 class Part:
-    """One group of rows in a forward pass: ids and positions [n, q], the additive mask [n, 1, q, length], the
-    first of its n cache rows, how far its rows attend, and each row's LoRA adapter (None: the base)."""
+    """One group of rows in a forward pass: ids and positions [n, q], the additive mask [n, 1, q, length], its
+    rows' block tables in the paged cache [n, w] (int64), how far its rows attend, and each row's LoRA adapter
+    (None: the base)."""
 
     ids: torch.Tensor
     pos: torch.Tensor
     bias: torch.Tensor
-    first: int
+    table: torch.Tensor
     length: int
     adapters: list[str | None]
 
@@ -375,7 +389,7 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 class FusedDecoder:
-    """The forward pass of a Llama-family model over the engine's `SlotCache`: logits of each row's last column."""
+    """The forward pass of a Llama-family model over the engine's `PagedCache`: logits of each row's last column."""
 
     def __init__(self, model, pack: str | None):
         self.adapters = set(model.peft_config) if hasattr(model, "peft_config") else set()
@@ -489,8 +503,10 @@ class FusedDecoder:
         x = self._embed(part.ids.reshape(-1)).contiguous()  # [n, hidden]
         cos, sin = self.rotary(x.unsqueeze(1), part.pos.reshape(-1, 1))
         cos, sin = cos.reshape(n, D).contiguous(), sin.reshape(n, D).contiguous()
-        keys, values = cache.keys, cache.values
+        keys, values, table = cache.keys, cache.values, part.table
         if not (keys.is_contiguous() and values.is_contiguous() and keys.shape == values.shape):
+            return None
+        if not (table.dtype == torch.int64 and table.is_contiguous() and table.shape[0] == n):
             return None
         size = keys.element_size()
         ptrs[:, 10] = keys.data_ptr() + torch.arange(len(self.layers)) * keys.stride(0) * size
@@ -498,10 +514,11 @@ class FusedDecoder:
         pos = part.pos.reshape(-1).contiguous()
         head = _held(self.head)
         logits = torch.empty((n, self.vocab_out), dtype=x.dtype)
-        args = (x.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), part.first, ptrs.data_ptr())
+        blocks = (table.data_ptr(), table.shape[1], keys.shape[2])  # the tables, their width, the block size
+        args = (x.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), *blocks, ptrs.data_ptr())
         final = (self.norm[0].data_ptr(), self.norm[1], head.data_ptr())
         shape = (n, x.shape[1], self.heads, self.kv_heads, D, self.inner)
-        strides = (keys.stride(1), keys.stride(2), keys.stride(3))
+        strides = (keys.stride(1), keys.stride(2), keys.stride(3))  # a block, a position, a key/value head
         rc = self.attention.step_fn(
             attention.DTYPES[x.dtype], *self.step_formats, *args, eps.data_ptr(), len(self.layers), *final,
             logits.data_ptr(),
@@ -570,10 +587,10 @@ class FusedDecoder:
             kw = {"adapter_names": [adapter or "__base__"]} if self.adapters else {}
             with torch.inference_mode():
                 theirs = model(input_ids=ids, use_cache=False, **kw).logits[0, -2:].float()
-                cache = SlotCache(model.config, 1, dtype, device, context=length, start=length)
-                cache.bind(0, pos[:, :-1], length - 1)
+                cache = PagedCache.for_rows(model.config, 1, dtype, device, context=length)
+                cache.bind(cache.row_table, pos[:, :-1], length - 1)
                 first = self(ids[:, :-1], pos[:, :-1], additive_mask(causal[:, :, :-1, :-1], dtype), cache, [adapter])
-                cache.bind(0, pos[:, -1:], length)
+                cache.bind(cache.row_table, pos[:, -1:], length)
                 step = self(ids[:, -1:], pos[:, -1:], additive_mask(causal[:, :, -1:], dtype), cache, [adapter])
             ours = torch.cat([first, step])
             offs.append((ours - theirs).abs().max() / theirs.abs().max())
@@ -597,9 +614,9 @@ class FusedDecoder:
     ) -> torch.Tensor:
         """ids, pos: [n, q]; bias: [n, 1, q, length] additive, and at q == 1 causal (row i sees stored positions
         0 .. pos[i], as the engine builds it: the decode kernel takes pos + 1 as each row's length instead);
-        `cache` bound to these rows and positions; `adapters`: each row's LoRA adapter (None: the base)."""
+        `cache` bound to these rows' tables and positions; `adapters`: each row's LoRA adapter (None: the base)."""
         n = ids.shape[0]
-        return self.run([Part(ids, pos, bias, cache.rows.start, cache.length, adapters or [None] * n)], cache)[0]
+        return self.run([Part(ids, pos, bias, cache.table, cache.length, adapters or [None] * n)], cache)[0]
 
     def run(self, parts: list[Part], cache, every: bool = False) -> list[torch.Tensor]:
         """One forward pass over several groups of rows, each with its own width, positions and mask (the
@@ -609,13 +626,11 @@ class FusedDecoder:
         row's last column, [rows, vocab] in fp32, per group; `every` (one group): every column's, [rows, q, vocab]
         (benchmarks/quant_quality.py scores a text with them)."""
         H, K, D = self.heads, self.kv_heads, self.head_dim
+        for part in parts:  # once a pass: the kernels read and write where they are told
+            _check_bounds(part, cache)
         if self.step is not None and len(parts) == 1 and parts[0].ids.shape[1] == 1 and not every:
             part = parts[0]
             if part.ids.shape[0] <= GEMV_ROWS and all(a is None or a not in self.adapters for a in part.adapters):
-                if int(part.pos.max()) + 1 > part.length:  # the kernel reads as far as it is told
-                    raise ValueError(
-                        f"a row attends to {int(part.pos.max()) + 1} positions, the cache is bound to {part.length}"
-                    )
                 logits = self._decode_step(part, cache)
                 if logits is not None:
                     return [logits]
@@ -624,16 +639,14 @@ class FusedDecoder:
         cos, sin = self.rotary(x, _cat([part.pos.reshape(-1, 1) for part in parts]))  # [tokens, 1, D]
         groups = self._groups([a for part in parts for a in part.adapters for _ in range(part.ids.shape[1])], len(x))
         kernel = self.attention
-        # each group's rows, cache row indices and (one token a row) lengths, once for every layer
+        # each group's slots written and read in a layer's flat view of the cache, and (one token a row) lengths,
+        # once for every layer
         where = []
         for part in parts:
             n, q = part.ids.shape
-            index = torch.arange(part.first, part.first + n, device=x.device).unsqueeze(1)
             lens = part.pos[:, 0] + 1 if q == 1 else None
-            if lens is not None and kernel is not None and int(lens.max()) > part.length:
-                # once a step: the kernel reads as far as it is told
-                raise ValueError(f"a row attends to {int(lens.max())} positions, the cache is bound to {part.length}")
-            where.append((slice(part.first, part.first + n), index, lens))
+            reads = torch.arange(part.length, device=x.device).expand(n, part.length)
+            where.append((cache.slots(part.table, part.pos), cache.slots(part.table, reads), lens))
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(_rms(x, layer.norm1), groups).view(len(x), H + 2 * K, D)
             qk = qkv[:, : H + K]
@@ -665,21 +678,22 @@ class FusedDecoder:
 
     def _attend(self, i: int, part: Part, at: tuple, qk: torch.Tensor, v: torch.Tensor, cache, kernel):
         """Layer i's attention for one group of rows: its keys and values stored, then read back for its rows.
-        at: its (rows, cache row indices, lengths); qk: [n, q, H + K, D] (rotated); v: [n, q, K, D]. The output
+        at: its (slots written, slots read, lengths); qk: [n, q, H + K, D] (rotated); v: [n, q, K, D]. The output
         [n, q, H * D], and the kernel still in use."""
         H, K, D = self.heads, self.kv_heads, self.head_dim
         n, q = part.ids.shape
-        (rows, index, lens), length = at, part.length
-        k_cache, v_cache = cache.keys[i], cache.values[i]
-        k_cache[index, part.pos] = qk[:, :, H:]
-        v_cache[index, part.pos] = v
-        keys, values = k_cache[rows, :length], v_cache[rows, :length]  # [n, length, K, D]
-        if q == 1 and kernel is not None:
+        (write, read, lens), length = at, part.length
+        k_cache, v_cache = cache.flat(i)
+        k_cache[write] = qk[:, :, H:]
+        v_cache[write] = v
+        if q == 1 and kernel is not None:  # through the block tables, nothing gathered
             try:
-                return kernel(qk[:, 0, :H], keys, values, lens).view(n, 1, H * D), kernel
+                out = kernel(qk[:, 0, :H], cache.keys[i], cache.values[i], lens, part.table)
+                return out.view(n, 1, H * D), kernel
             except (ValueError, RuntimeError) as e:  # the kernel refused this call: SDPA from here on
                 self._drop_kernel(e)
                 kernel = None
+        keys, values = k_cache[read], v_cache[read]  # [n, length, K, D], gathered from the rows' blocks
         if q == 1 and H != K:  # one query: its H heads become H/K queries of each key/value head
             query = qk[:, 0, :H].reshape(n, K, H // K, D)
             out = F.scaled_dot_product_attention(

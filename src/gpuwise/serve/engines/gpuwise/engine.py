@@ -21,9 +21,10 @@ miss a pass's fixed weight reads and a CPU's slow attention (docs/serving.md, "O
 Why not transformers' own continuous batching (`generate_batch`): this engine is not behind it at 32 streams
 (docs/benchmarks.md), and it also runs one LoRA adapter per row and admits by the KV budget.
 
-The KV cache holds a row per running sequence (`SlotCache`), and recent prompts' keys and values are kept for
-the prompts that start like them (`PrefixCache`). The forward is transformers' own, given that cache, per-row
-positions and a 4-D mask, so any model transformers loads (Llama, Qwen2, Mistral, Gemma...) runs unchanged;
+The KV cache is paged (`PagedCache`): each sequence holds blocks of KV_BLOCK tokens as it grows and gives them
+back as it ends, and recent prompts' blocks are shared with the prompts that start like them (`PrefixCache`).
+The forward is transformers' own, given that cache, per-row positions and a 4-D mask, so any model transformers
+loads (Llama, Qwen2, Mistral, Gemma...) runs unchanged;
 or, for the Llama family and its LoRA adapters, the same forward fused by hand over the same cache
 (decoder.py), which makes a third of the tensor-op calls per step.
 """
@@ -42,10 +43,10 @@ from typing import Any
 
 import torch
 
-from gpuwise.plan.serving import kv_shape
+from gpuwise.plan.serving import KV_BLOCK, kv_shape
 from gpuwise.serve.engines.base import GREEDY_BELOW, EngineStats, QueueFull, Sequence, ShuttingDown
 from gpuwise.serve.engines.gpuwise.decoder import Part
-from gpuwise.serve.engines.gpuwise.kvcache import PrefixCache, SlotCache, additive_mask
+from gpuwise.serve.engines.gpuwise.kvcache import PagedCache, PrefixCache, additive_mask
 
 log = logging.getLogger("gpuwise.serve")
 
@@ -53,14 +54,14 @@ log = logging.getLogger("gpuwise.serve")
 @dataclass
 class Rows:
     """A group of rows for one forward pass: whose they are (in row order), ids and positions [n, q], the
-    boolean mask [n, 1, q, length], the first row, the prompt tokens each row runs (a chunk), and the chunk's
-    cost in token-equivalents."""
+    boolean mask [n, 1, q, length], their block tables [n, w], the prompt tokens each row runs (a chunk), and the
+    chunk's cost in token-equivalents."""
 
     seqs: list
     ids: torch.Tensor
     pos: torch.Tensor
     mask: torch.Tensor
-    first: int
+    table: torch.Tensor
     runs: list[int]
     cost: float
 
@@ -68,9 +69,9 @@ class Rows:
 class Engine:
     """The model, its tokenizer and the loop that keeps its batch full. `submit` is thread-safe.
 
-    Rows of the cache: the decoding sequences (`running`) hold rows 0 .. d-1, compact; the prefilling ones
-    hold the top rows, `prefilling[k]` row slots-1-k, so that neither group's changes move the other's keys.
-    A prompt that finishes prefilling is copied down to row d once (a short prompt: a few KB)."""
+    The KV cache's pool holds the budget's blocks, one more a sequence (its last block is part-filled) and the
+    prefix cache's: admission by the budget then never finds it full. A sequence's keys never move: it joins
+    the decoding rows, or leaves, by its block table alone."""
 
     # A prefill chunk runs at least MIN_CHUNK tokens a row, so that a long prompt moves however busy the
     # engine. A pass of its own reads every weight, as a decode step does, so a small one costs nearly as much:
@@ -93,6 +94,7 @@ class Engine:
         prefix_tokens: int = 0,
         chunk_ratio: float = 1.5,
         solo_chunk_s: float = 0.5,
+        block: int = KV_BLOCK,
     ):
         self.model, self.tok, self.decoder = model, tok, decoder
         self.device = next(model.parameters()).device
@@ -103,8 +105,9 @@ class Engine:
         eos = eos if isinstance(eos, list) else [eos]
         self.eos = {int(t) for t in [*eos, tok.eos_token_id] if t is not None}
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else next(iter(self.eos), 0)
-        self.cache = SlotCache(model.config, max_seqs, self.dtype, self.device, context)
-        self.prefixes = PrefixCache(prefix_tokens) if prefix_tokens > 0 else None
+        blocks = -(-kv_budget_tokens // block) + max_seqs + -(-max(0, prefix_tokens) // block)
+        self.cache = PagedCache(model.config, blocks, self.dtype, self.device, block)
+        self.prefixes = PrefixCache(prefix_tokens, self.cache) if prefix_tokens > 0 else None
         # transformers 5 names the cache argument `cache`; earlier releases `past_key_values`
         params = inspect.signature(type(self._base_model()).forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -168,13 +171,14 @@ class Engine:
                     self._step()
             except Exception as e:  # noqa: BLE001 - a failed pass fails its requests, not the server
                 log.exception("generation failed")
-                with torch.inference_mode():  # freeing a row writes to the cache, an inference tensor
+                with torch.inference_mode():
                     for s in list(self.running):
                         self._end(s, "error", error=e)
                     for s in list(self.prefilling):
                         self._leave(s, "error", error=e)
             held = self.running + self.prefilling
             self.stats.running, self.stats.kv_tokens = len(held), sum(s.reserved for s in held)
+            self.stats.kv_held = self.cache.in_use * self.cache.block
         for s in self.running + self.prefilling + list(self.waiting):
             s.sink({"finish": "error", "error": "the server shut down"})
 
@@ -206,29 +210,22 @@ class Engine:
         self.stats.waiting = len(self.waiting)
         return admitted
 
-    def _row(self, k: int) -> int:
-        """The cache row of `prefilling[k]`."""
-        return self.max_seqs - 1 - k
-
     def _start(self, new: list[Sequence]) -> None:
-        """Give each admitted sequence a row, with what the prefix cache holds of its prompt copied in."""
-        if not new:
-            return
-        self.cache.reserve(max(len(s.prompt) for s in new))
+        """Start each admitted sequence prefilling, its block table beginning with the prefix cache's blocks of the
+        prompt's start where it holds them (shared, nothing copied)."""
         for s in new:
             self.prefilling.append(s)
             n, key = self.prefixes.longest(s.adapter, s.prompt) if self.prefixes else (0, None)
             if self.prefixes is not None and key is not None:
-                self.cache.write(self._row(len(self.prefilling) - 1), *self.prefixes.get(key, n))
+                s.blocks = self.prefixes.take(key, n)
             s.done = s.reused = n
 
     def _forward(
-        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, first: int, adapters: list
+        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, table: torch.Tensor, adapters: list
     ) -> torch.Tensor:
         """Logits of the last column of each row, [rows, vocab], in fp32."""
         length = mask.shape[-1]
-        self.cache.reserve(length)
-        self.cache.bind(first, pos, length)
+        self.cache.bind(table, pos, length)
         bias = additive_mask(mask, self.dtype).to(self.device)  # may attend: stored position j <= the query's own
         if self.decoder is not None:  # decoder.py: the same forward, fused
             return self.decoder(ids.to(self.device), pos.to(self.device), bias, self.cache, adapters)
@@ -298,19 +295,22 @@ class Engine:
             self._prefilled(chunk, logits)
 
     def _decode_rows(self) -> Rows:
-        """The decoding sequences' next token each: rows 0 .. d-1."""
+        """The decoding sequences' next token each, a block taken where a sequence's last one is full."""
         rows = self.running
+        for s in rows:
+            self.cache.allocate(s.blocks, s.length)
         pos = torch.tensor([[s.length - 1] for s in rows])
         width = max(s.length for s in rows)
         mask = torch.arange(width).view(1, 1, 1, width) <= pos.view(-1, 1, 1, 1)
-        return Rows(list(rows), torch.tensor([[s.out[-1]] for s in rows]), pos, mask, 0, [1] * len(rows), 0.0)
+        table = self.cache.tables([s.blocks for s in rows])
+        return Rows(list(rows), torch.tensor([[s.out[-1]] for s in rows]), pos, mask, table, [1] * len(rows), 0.0)
 
     def _chunk(self) -> Rows:
-        """The next chunk of every prefilling prompt: their rows (the top rows, contiguous), each chunk
-        left-padded to the pass's width."""
+        """The next chunk of every prefilling prompt, each left-padded to the pass's width, the blocks it writes
+        taken."""
         width, cost = self._width(self._chunk_budget())
         rows = len(self.prefilling)
-        seqs = self.prefilling[::-1]  # in row order: prefilling[k] holds row slots-1-k
+        seqs = list(self.prefilling)
         ids = torch.full((rows, width), self.pad, dtype=torch.long)
         pos = torch.empty((rows, width), dtype=torch.long)
         runs = []
@@ -322,23 +322,23 @@ class Engine:
             # is shorter than it), where the mask hides it and the next chunk or the first decode step overwrites it
             pos[i, : width - n] = s.done + n
             runs.append(n)
+            self.cache.allocate(s.blocks, s.done + n + (n < width))
         length = int(pos.max()) + 1
         mask = torch.arange(length).view(1, 1, 1, length) <= pos.unsqueeze(1).unsqueeze(-1)
-        return Rows(seqs, ids, pos, mask, self._row(rows - 1), runs, cost)
+        return Rows(seqs, ids, pos, mask, self.cache.tables([s.blocks for s in seqs]), runs, cost)
 
     def _forward_parts(self, parts: list[Rows]) -> list[torch.Tensor]:
         """Logits of the last column of each row of each group, [rows, vocab] in fp32: one pass."""
         if len(parts) == 1:
             part = parts[0]
-            return [self._forward(part.ids, part.pos, part.mask, part.first, [s.adapter for s in part.seqs])]
-        self.cache.reserve(max(part.mask.shape[-1] for part in parts))
+            return [self._forward(part.ids, part.pos, part.mask, part.table, [s.adapter for s in part.seqs])]
         return self.decoder.run(  # type: ignore[union-attr]
             [
                 Part(
                     part.ids.to(self.device),
                     part.pos.to(self.device),
                     additive_mask(part.mask, self.dtype).to(self.device),
-                    part.first,
+                    part.table.to(self.device),
                     part.mask.shape[-1],
                     [s.adapter for s in part.seqs],
                 )
@@ -361,32 +361,18 @@ class Engine:
             self._advance(ready, logits[ready_logits])
 
     def _join(self, s: Sequence) -> None:
-        """A sequence whose prompt is all in the cache moves from the top rows to row d, the next decoding row;
-        the prefilling rows stay contiguous (the lowest one fills the hole it leaves)."""
-        k, d, p = self.prefilling.index(s), len(self.running), len(self.prefilling)
-        row, lowest = self._row(k), self.prefilling[-1]
-        if row != d:
-            if self._row(p - 1) == d:  # every row in use: the lowest prefilling row is d itself
-                self.cache.swap(row, d, len(s.prompt), lowest.done)
-            else:
-                self.cache.move(row, d, len(s.prompt))
-                if lowest is not s:
-                    self.cache.move(self._row(p - 1), row, lowest.done)
-            self.prefilling[k] = lowest
-        self.prefilling.pop()
+        """A sequence whose prompt is all in the cache starts decoding; the prefix cache shares its prompt's
+        full blocks."""
+        self.prefilling.remove(s)
         self.running.append(s)
-        if self.prefixes is not None and len(s.prompt) <= self.prefixes.tokens:
-            self.prefixes.put(s.adapter, s.prompt, *self.cache.read(d, len(s.prompt)))
+        if self.prefixes is not None:
+            self.prefixes.put(s.adapter, s.prompt, s.blocks)
         self.stats.on_prefill(len(s.prompt), s.reused)
 
     def _leave(self, s: Sequence, finish: str, error: BaseException | None = None) -> None:
-        """Take a prefilling sequence out; the lowest prefilling row fills its row."""
-        k, p = self.prefilling.index(s), len(self.prefilling)
-        lowest = self.prefilling[-1]
-        if lowest is not s:
-            self.cache.move(self._row(p - 1), self._row(k), lowest.done)
-            self.prefilling[k] = lowest
-        self.prefilling.pop()
+        """Take a prefilling sequence out: its blocks go back (those the prefix cache shares stay there)."""
+        self.prefilling.remove(s)
+        self.cache.free(s.blocks)
         self._finished(s, finish, error)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int | Exception]:
@@ -447,14 +433,9 @@ class Engine:
                 self._end(s, finish)
 
     def _end(self, s: Sequence, finish: str, error: BaseException | None = None) -> None:
-        """Take a running sequence out: its row is refilled from the last one, so rows stay compact."""
-        i = self.running.index(s)
-        last = len(self.running) - 1
-        if i != last:
-            moved = self.running[last]
-            self.cache.move(last, i, moved.length)
-            self.running[i] = moved
-        self.running.pop()
+        """Take a running sequence out: its blocks go back (those the prefix cache shares stay there)."""
+        self.running.remove(s)
+        self.cache.free(s.blocks)
         self._finished(s, finish, error)
 
     def _finished(self, s: Sequence, finish: str, error: BaseException | None = None) -> None:

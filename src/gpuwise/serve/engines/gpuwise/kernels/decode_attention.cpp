@@ -3,7 +3,8 @@
 //
 // 1. Attention of one new token per sequence over its cached keys and values.
 // q:   [n, H, D] (strided: row q_sn, head q_sh; D contiguous), in T (float or bfloat16)
-// k, v: one layer of the slot cache, row i's position l of key/value head h at i*c_sn + l*c_sl + h*c_sh
+// k, v: one layer of the paged cache, [blocks, bs, K, D]: row i's position l of key/value head h in block
+//       table[i * tb + l / bs], at that block * c_sb + (l % bs) * c_sl + h * c_sh
 // lens: [n] how many positions row i attends to (0 .. lens[i]-1)
 // out: [n, H, D] (row o_sn, head o_sh)
 // Query head j reads key/value head j / (H / K) (grouped-query attention). Scores, softmax and the weighted
@@ -69,11 +70,21 @@ constexpr int64_t kMaxChunks = 16;  // head dim up to 256 in 16-float registers
 // cache, read in one pass. With fewer rows than two per thread, a (row, key/value head) pair instead.
 inline int64_t attend_split(int64_t n, int64_t K, int64_t threads) { return n >= 2 * threads ? 1 : K; }
 
+// Ask for n values from p on into the cache: a row's blocks lie anywhere in the pool, where the hardware's
+// prefetcher, which follows one address stream, does not look; the next block's position t is asked for while
+// this block's position t is read.
+template <typename T>
+inline void ahead(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
 // the work items begin .. end of attend (below), split of them a row
 template <typename T>
-void attend_items(const T* q, const T* k, const T* v, const int64_t* lens, T* out, int64_t H, int64_t K, int64_t D,
-                  int64_t q_sn, int64_t q_sh, int64_t c_sn, int64_t c_sl, int64_t c_sh, int64_t o_sn, int64_t o_sh,
-                  float scale, int64_t split, int64_t begin, int64_t end) {
+void attend_items(const T* q, const T* k, const T* v, const int64_t* table, int64_t tb, int64_t bs,
+                  const int64_t* lens, T* out, int64_t H, int64_t K, int64_t D, int64_t q_sn, int64_t q_sh,
+                  int64_t c_sb, int64_t c_sl, int64_t c_sh, int64_t o_sn, int64_t o_sh, float scale, int64_t split,
+                  int64_t begin, int64_t end) {
   const int64_t G = H / K, V = D / 16, per = K / split;
   {
     std::vector<__m512> query(H * V), acc(H * V);
@@ -86,16 +97,22 @@ void attend_items(const T* q, const T* k, const T* v, const int64_t* lens, T* ou
       for (int64_t hg = h0 * G; hg < h1 * G; ++hg)
         for (int64_t j = 0; j < V; ++j)
           query[hg * V + j] = _mm512_mul_ps(load16(q + i * q_sn + hg * q_sh + j * 16), _mm512_set1_ps(scale));
-      const T* keys = k + i * c_sn;
-      for (int64_t l = 0; l < L; ++l) {
-        for (int64_t h = h0; h < h1; ++h) {
-          __m512 key[kMaxChunks];
-          for (int64_t j = 0; j < V; ++j) key[j] = load16(keys + l * c_sl + h * c_sh + j * 16);
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t hg = h * G + g;
-            __m512 dot = _mm512_mul_ps(query[hg * V], key[0]);
-            for (int64_t j = 1; j < V; ++j) dot = _mm512_fmadd_ps(query[hg * V + j], key[j], dot);
-            scores[hg * padded + l] = _mm512_reduce_add_ps(dot);
+      const int64_t* blocks = table + i * tb;
+      // a block at a time: its positions are contiguous, l / bs is counted once a block, not once a position
+      for (int64_t l0 = 0; l0 < L; l0 += bs) {
+        const T* keys = k + blocks[l0 / bs] * c_sb;
+        const T* next = l0 + bs < L ? k + blocks[l0 / bs + 1] * c_sb : nullptr;
+        for (int64_t t = 0, l = l0; t < bs && l < L; ++t, ++l) {
+          if (next != nullptr) ahead(next + t * c_sl + h0 * c_sh, (h1 - h0) * c_sh);
+          for (int64_t h = h0; h < h1; ++h) {
+            __m512 key[kMaxChunks];
+            for (int64_t j = 0; j < V; ++j) key[j] = load16(keys + t * c_sl + h * c_sh + j * 16);
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t hg = h * G + g;
+              __m512 dot = _mm512_mul_ps(query[hg * V], key[0]);
+              for (int64_t j = 1; j < V; ++j) dot = _mm512_fmadd_ps(query[hg * V + j], key[j], dot);
+              scores[hg * padded + l] = _mm512_reduce_add_ps(dot);
+            }
           }
         }
       }
@@ -115,15 +132,19 @@ void attend_items(const T* q, const T* k, const T* v, const int64_t* lens, T* ou
         for (int64_t l = 0; l < padded; l += 16) _mm512_storeu_ps(s + l, _mm512_mul_ps(_mm512_loadu_ps(s + l), inv));
       }
       for (auto& a : acc) a = _mm512_setzero_ps();
-      const T* values = v + i * c_sn;
-      for (int64_t l = 0; l < L; ++l) {
-        for (int64_t h = h0; h < h1; ++h) {
-          __m512 value[kMaxChunks];
-          for (int64_t j = 0; j < V; ++j) value[j] = load16(values + l * c_sl + h * c_sh + j * 16);
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t hg = h * G + g;
-            const __m512 p = _mm512_set1_ps(scores[hg * padded + l]);
-            for (int64_t j = 0; j < V; ++j) acc[hg * V + j] = _mm512_fmadd_ps(p, value[j], acc[hg * V + j]);
+      for (int64_t l0 = 0; l0 < L; l0 += bs) {
+        const T* values = v + blocks[l0 / bs] * c_sb;
+        const T* next = l0 + bs < L ? v + blocks[l0 / bs + 1] * c_sb : nullptr;
+        for (int64_t t = 0, l = l0; t < bs && l < L; ++t, ++l) {
+          if (next != nullptr) ahead(next + t * c_sl + h0 * c_sh, (h1 - h0) * c_sh);
+          for (int64_t h = h0; h < h1; ++h) {
+            __m512 value[kMaxChunks];
+            for (int64_t j = 0; j < V; ++j) value[j] = load16(values + t * c_sl + h * c_sh + j * 16);
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t hg = h * G + g;
+              const __m512 p = _mm512_set1_ps(scores[hg * padded + l]);
+              for (int64_t j = 0; j < V; ++j) acc[hg * V + j] = _mm512_fmadd_ps(p, value[j], acc[hg * V + j]);
+            }
           }
         }
       }
@@ -137,12 +158,13 @@ void attend_items(const T* q, const T* k, const T* v, const int64_t* lens, T* ou
 }
 
 template <typename T>
-void attend(const T* q, const T* k, const T* v, const int64_t* lens, T* out, int64_t n, int64_t H, int64_t K,
-            int64_t D, int64_t q_sn, int64_t q_sh, int64_t c_sn, int64_t c_sl, int64_t c_sh, int64_t o_sn,
-            int64_t o_sh, float scale) {
+void attend(const T* q, const T* k, const T* v, const int64_t* table, int64_t tb, int64_t bs, const int64_t* lens,
+            T* out, int64_t n, int64_t H, int64_t K, int64_t D, int64_t q_sn, int64_t q_sh, int64_t c_sb,
+            int64_t c_sl, int64_t c_sh, int64_t o_sn, int64_t o_sh, float scale) {
   const int64_t split = attend_split(n, K, at::get_num_threads());
   at::parallel_for(0, n * split, 1, [&](int64_t begin, int64_t end) {
-    attend_items(q, k, v, lens, out, H, K, D, q_sn, q_sh, c_sn, c_sl, c_sh, o_sn, o_sh, scale, split, begin, end);
+    attend_items(q, k, v, table, tb, bs, lens, out, H, K, D, q_sn, q_sh, c_sb, c_sl, c_sh, o_sn, o_sh, scale, split,
+                 begin, end);
   });
 }
 
@@ -441,9 +463,10 @@ void gemv(int fmt, const T* x, const void* w, const T* bias, T* out, int64_t M, 
 // one call, so that the ~25 tensor ops a layer do not each pay Python's and ATen's dispatch. It rounds to T
 // where serve/engines/gpuwise/decoder.py's PyTorch ops do (each op's output), so its logits are that forward's within the
 // order of a sum. x: [M, E] the embedded tokens (updated in place); cos, sin: [M, D]; pos: [M] each row's
-// position, its cache row first + m; per layer l, ptrs[l * 12 + ...]: input norm, qkv weight and bias, o weight
-// and bias, post-attention norm, gate_up weight and bias, down weight and bias (a null bias: none), and the
-// layer's keys and values ([slots, capacity, K, D]: strides c_sn, c_sl, c_sh); eps[l * 2 + 0/1] the norms'.
+// position, row m's block table table[m * tb ...] (blocks of bs positions); per layer l, ptrs[l * 12 + ...]: input
+// norm, qkv weight and bias, o weight and bias, post-attention norm, gate_up weight and bias, down weight and bias
+// (a null bias: none), and the layer's keys and values ([blocks, bs, K, D]: strides c_sb, c_sl, c_sh); eps[l * 2 +
+// 0/1] the norms'.
 // Then the final norm and the output layer into logits [M, V].
 //
 // The threads stay in one parallel region for the whole step and meet at a spinning barrier between its
@@ -506,10 +529,10 @@ void to_float(const T* x, float* xf, int64_t n) {
 }
 
 template <typename T>
-void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const int64_t* pos, int64_t first,
-                 const int64_t* ptrs, const float* eps, int64_t layers, const T* final_norm, float final_eps,
+void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const int64_t* pos, const int64_t* table,
+                 int64_t tb, int64_t bs, const int64_t* ptrs, const float* eps, int64_t layers, const T* final_norm, float final_eps,
                  const void* head, T* logits,
-                 int64_t M, int64_t E, int64_t H, int64_t K, int64_t D, int64_t F, int64_t V, int64_t c_sn,
+                 int64_t M, int64_t E, int64_t H, int64_t K, int64_t D, int64_t F, int64_t V, int64_t c_sb,
                  int64_t c_sl, int64_t c_sh, int threads_asked) {
   const int64_t QKV = (H + 2 * K) * D, half = D / 2;
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
@@ -572,8 +595,9 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
           }
           if (h >= H) {
             const int64_t kh = h - H;
-            T* krow = kc + (first + m) * c_sn + pos[m] * c_sl + kh * c_sh;
-            T* vrow = vc + (first + m) * c_sn + pos[m] * c_sl + kh * c_sh;
+            const int64_t at = table[m * tb + pos[m] / bs] * c_sb + pos[m] % bs * c_sl + kh * c_sh;
+            T* krow = kc + at;
+            T* vrow = vc + at;
             for (int64_t d = 0; d < D; ++d) {
               krow[d] = v[d];
               vrow[d] = row[(H + K + kh) * D + d];
@@ -585,8 +609,8 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
       {
         const int64_t split = attend_split(M, K, threads);
         auto [b, e] = share(M * split, tid, threads);
-        attend_items(qkv.data(), kc + first * c_sn, vc + first * c_sn, lens.data(), att.data(), H, K, D, QKV, D,
-                     c_sn, c_sl, c_sh, H * D, D, scale, split, b, e);
+        attend_items(qkv.data(), kc, vc, table, tb, bs, lens.data(), att.data(), H, K, D, QKV, D, c_sb, c_sl, c_sh,
+                     H * D, D, scale, split, b, e);
       }
       barrier->wait();
       // the output projection, added to x column by column (no other thread reads x until the barrier)
@@ -654,17 +678,18 @@ inline void store16(c10::BFloat16* o, __m512 v) {
 extern "C" {
 
 // dtype: 0 float32, 1 bfloat16. Returns 0, or 1 when the shapes are not ones this kernel takes.
-int gpuwise_decode_attention(int dtype, const void* q, const void* k, const void* v, const int64_t* lens, void* out,
-                             int64_t n, int64_t H, int64_t K, int64_t D, int64_t q_sn, int64_t q_sh, int64_t c_sn,
-                             int64_t c_sl, int64_t c_sh, int64_t o_sn, int64_t o_sh, float scale) {
-  if (D % 16 != 0 || D / 16 > kMaxChunks || K <= 0 || H % K != 0) return 1;
+int gpuwise_decode_attention(int dtype, const void* q, const void* k, const void* v, const int64_t* table, int64_t tb,
+                             int64_t bs, const int64_t* lens, void* out, int64_t n, int64_t H, int64_t K, int64_t D,
+                             int64_t q_sn, int64_t q_sh, int64_t c_sb, int64_t c_sl, int64_t c_sh, int64_t o_sn,
+                             int64_t o_sh, float scale) {
+  if (D % 16 != 0 || D / 16 > kMaxChunks || K <= 0 || H % K != 0 || bs < 1 || tb < 1) return 1;
   if (dtype == 0) {
-    attend(static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v), lens,
-           static_cast<float*>(out), n, H, K, D, q_sn, q_sh, c_sn, c_sl, c_sh, o_sn, o_sh, scale);
+    attend(static_cast<const float*>(q), static_cast<const float*>(k), static_cast<const float*>(v), table, tb, bs,
+           lens, static_cast<float*>(out), n, H, K, D, q_sn, q_sh, c_sb, c_sl, c_sh, o_sn, o_sh, scale);
   } else if (dtype == 1) {
     attend(static_cast<const c10::BFloat16*>(q), static_cast<const c10::BFloat16*>(k),
-           static_cast<const c10::BFloat16*>(v), lens, static_cast<c10::BFloat16*>(out), n, H, K, D, q_sn, q_sh,
-           c_sn, c_sl, c_sh, o_sn, o_sh, scale);
+           static_cast<const c10::BFloat16*>(v), table, tb, bs, lens, static_cast<c10::BFloat16*>(out), n, H, K, D,
+           q_sn, q_sh, c_sb, c_sl, c_sh, o_sn, o_sh, scale);
   } else {
     return 1;
   }
@@ -717,24 +742,25 @@ int gpuwise_dequantize(int dtype, int fmt, const void* w, void* out, int64_t r0,
 // a block format: E, H * D and F multiples of 32); threads: the step's threads (0: PyTorch's). Returns 0, or 1 when
 // the shapes are not ones it takes.
 int gpuwise_decode_step(int dtype, int fmt, int head_fmt, void* x, const void* cos, const void* sin,
-                        const int64_t* pos, int64_t first, const int64_t* ptrs, const float* eps, int64_t layers,
-                        const void* final_norm, float final_eps, const void* head, void* logits, int64_t M, int64_t E,
-                        int64_t H, int64_t K, int64_t D, int64_t F, int64_t V, int64_t c_sn, int64_t c_sl,
-                        int64_t c_sh, int threads) {
+                        const int64_t* pos, const int64_t* table, int64_t tb, int64_t bs, const int64_t* ptrs,
+                        const float* eps, int64_t layers, const void* final_norm, float final_eps, const void* head,
+                        void* logits, int64_t M, int64_t E, int64_t H, int64_t K, int64_t D, int64_t F, int64_t V,
+                        int64_t c_sb, int64_t c_sl, int64_t c_sh, int threads) {
   if (M < 1 || M > kMaxRows || D % 16 != 0 || D / 16 > kMaxChunks || K <= 0 || H % K != 0) return 1;
+  if (bs < 1 || tb < 1) return 1;
   if (!known_format(fmt) || !known_format(head_fmt)) return 1;
   if (fmt != kPlain && (E % 32 != 0 || (H * D) % 32 != 0 || F % 32 != 0)) return 1;
   if (head_fmt != kPlain && E % 32 != 0) return 1;
   if (dtype == 0) {
     decode_step(fmt, head_fmt, static_cast<float*>(x), static_cast<const float*>(cos),
-                static_cast<const float*>(sin), pos, first, ptrs, eps, layers,
+                static_cast<const float*>(sin), pos, table, tb, bs, ptrs, eps, layers,
                 static_cast<const float*>(final_norm), final_eps, head, static_cast<float*>(logits), M, E, H, K, D,
-                F, V, c_sn, c_sl, c_sh, threads);
+                F, V, c_sb, c_sl, c_sh, threads);
   } else if (dtype == 1) {
     using B = c10::BFloat16;
     decode_step(fmt, head_fmt, static_cast<B*>(x), static_cast<const B*>(cos), static_cast<const B*>(sin), pos,
-                first, ptrs, eps, layers, static_cast<const B*>(final_norm), final_eps, head,
-                static_cast<B*>(logits), M, E, H, K, D, F, V, c_sn, c_sl, c_sh, threads);
+                table, tb, bs, ptrs, eps, layers, static_cast<const B*>(final_norm), final_eps, head,
+                static_cast<B*>(logits), M, E, H, K, D, F, V, c_sb, c_sl, c_sh, threads);
   } else {
     return 1;
   }
