@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/lm_vs_hf.py
 	$(BIN)/python benchmarks/llm_serve_load.py
 	$(BIN)/python benchmarks/quant_quality.py
+	$(BIN)/python benchmarks/serve_memory.py
 	$(BIN)/python benchmarks/llm_fairness.py
 	$(BIN)/python benchmarks/engine_step.py
 	$(BIN)/python benchmarks/launch_overhead.py

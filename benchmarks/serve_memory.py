@@ -78,12 +78,13 @@ async def load(url: str, model: str, prompts: list[str]) -> None:
 
 def serve_and_load(model_dir: str, weights: str, prompts: list[str], log: Path) -> dict:
     kind = "gpuwise" if weights == "bf16" else f"gpuwise-{weights}"
-    extra = ("--max-model-len", "8192", "--prefix-cache", "0")
+    extra = ("--max-model-len", "8192", "--prefix-cache", "0", "--max-prompt-chars", "100000")
     proc, url, model = start(kind, model_dir, "bf16", log, extra=extra)
     try:
         text = log.read_text()
-        held = re.search(r"held: ([0-9.]+) GB", text)
-        per_token = re.search(r"KV cache ([0-9.]+) KiB per token", text)
+        held = re.search(r"held:\s+([0-9.]+)\s+GB", text)  # the console may fold the line anywhere
+        per_token = re.search(r"KV\s+cache\s+([0-9.]+)\s+KiB\s+per\s+token", text)
+        idle = rss(proc.pid)
         peak, done = 0.0, threading.Event()
 
         def sample() -> None:
@@ -103,6 +104,7 @@ def serve_and_load(model_dir: str, weights: str, prompts: list[str], log: Path) 
         return {
             "seconds": time.perf_counter() - t0,
             "rss": rss(proc.pid),
+            "idle": idle,
             "held": float(held.group(1)) * 1e9 if held else float("nan"),
             "kv_tokens": peak,
             "kv_per_token": float(per_token.group(1)) * 1024 if per_token else float("nan"),
@@ -119,7 +121,8 @@ def tiny_model(model_dir: str, out: Path) -> str:
     own = AutoConfig.from_pretrained(model_dir)
     config = LlamaConfig(vocab_size=own.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=8192,
-                         tie_word_embeddings=True, bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id)  # fmt: skip
+                         tie_word_embeddings=True, bos_token_id=own.bos_token_id,
+                         eos_token_id=own.eos_token_id)  # fmt: skip
     LlamaForCausalLM(config).to("cpu").save_pretrained(out)
     AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
     return str(out)
@@ -145,7 +148,8 @@ def main() -> None:
     print(f"SmolLM2-135M-Instruct, one prompt of {longest:,} tokens among {args.short} short chats (max_tokens 16), "
           f"--max-seqs 32; runtime base {base_rss / 1e9:.3f} GB (a 1-layer model of width 64, same server, same "
           f"load: its VmRSS {base['rss'] / 1e9:.3f} GB less its weights and KV)")  # fmt: skip
-    head = f"{'weights':<8}{'held GB':>9}{'KV peak':>9}{'KV GB':>8}{'expected':>10}{'VmRSS':>8}{'RSS/exp':>9}"
+    head = f"{'weights':<8}{'held GB':>9}{'KV peak':>9}{'KV GB':>8}{'expected':>10}{'idle':>8}{'VmRSS':>8}"
+    head += f"{'RSS/exp':>9}"
     print(f"{head}{'a row each':>12}{'load s':>8}")
     for weights in args.weights.split(","):
         r = serve_and_load(model_dir, weights, prompts, work / f"{weights}.log")
@@ -153,8 +157,10 @@ def main() -> None:
         expected = base_rss + r["held"] + kv
         rows = 32 * longest * r["kv_per_token"]
         print(f"{weights:<8}{r['held'] / 1e9:>9.3f}{int(r['kv_tokens']):>9,}{kv / 1e9:>8.3f}{expected / 1e9:>10.3f}"
-              f"{r['rss'] / 1e9:>8.3f}{r['rss'] / expected:>8.2f}x{rows / 1e9:>11.2f}G{r['seconds']:>8.1f}")  # fmt: skip
-    print("expected = base + held + KV peak; 'a row each': the KV of 32 rows of the longest prompt (the cache before)")
+              f"{r['idle'] / 1e9:>8.3f}{r['rss'] / 1e9:>8.3f}{r['rss'] / expected:>8.2f}x{rows / 1e9:>11.2f}G"
+              f"{r['seconds']:>8.1f}")  # fmt: skip
+    print("expected = base + held + KV peak; idle: VmRSS once started, before the load; 'a row each': the KV of 32 "
+          "rows of the longest prompt (the cache before)")
 
 
 if __name__ == "__main__":

@@ -246,7 +246,7 @@ def test_a_model_directory_is_served_with_its_chat_template_and_its_plan(model_d
     # in fp32, 2 in bf16 (--dtype auto's choice on a CPU with AMX or AVX512-BF16)
     width = {"fp32": 4, "bf16": 2}[llm.precision]
     assert llm.engine.cache.bytes_per_token() == llm.backends[0].serving.kv_bytes_per_token == 2 * 2 * 1 * 16 * width
-    assert "budget" in llm.plan() and "KiB per token" in llm.plan()
+    assert "budget" in llm.plan() and "KiB per token" in llm.plan() and "blocks of 16" in llm.plan()
     assert "prefix cache 4,096 prompt tokens" in llm.plan()
     # a Llama: the fused decoder serves it; on a CPU its products are packed, for oneDNN (for MKL in fp32 where
     # oneDNN is missing): 2 layers x q/k/v, o, gate/up and down, and the output layer

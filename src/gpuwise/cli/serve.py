@@ -227,6 +227,15 @@ def serve(
     max_body_mb: Annotated[float, typer.Option(min=0.001, max=4096, help="Largest request body.")] = 16.0,
     max_k: Annotated[int, typer.Option(min=1, max=1_000_000, help="Ranking workloads: largest k.")] = 100,
     max_tokens: Annotated[int, typer.Option(min=1, max=1_000_000, help="Language models: largest max_tokens.")] = 512,
+    max_prompt_chars: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=10_000_000,
+            help="Language models: the longest prompt (or messages) in characters, a 413 beyond; about 4 a token: "
+            "raise it with --max-model-len for long prompts.",
+        ),
+    ] = 8000,
     max_seqs: MaxSeqsOpt = 32,
     max_queue: MaxQueueOpt = 256,
     prefix_cache: PrefixCacheOpt = 4096,
@@ -313,6 +322,7 @@ def serve(
         max_body_bytes=int(max_body_mb * 2**20),
         max_k=max_k,
         max_tokens=max_tokens,
+        max_prompt_chars=max_prompt_chars,
         timeout_s=timeout,
         read_timeout_s=read_timeout,
         max_connections=max_connections,

@@ -16,7 +16,7 @@ from gpuwise.plan.request import PlanRequest
 from gpuwise.plan.serving import KV_BLOCK, ServingPlan, plan_server, usable_bytes
 from gpuwise.serve.engines.base import EngineStats
 from gpuwise.serve.engines.gpuwise.decoder import NotQuantizable, fused_decoder
-from gpuwise.serve.engines.gpuwise.engine import Engine
+from gpuwise.serve.engines.gpuwise.engine import Engine, release_freed_memory
 from gpuwise.serve.engines.gpuwise.packed import MKL, ONEDNN, mkl_fits, pack_linears, packing
 from gpuwise.serve.engines.gpuwise.quant import QUANTIZED, gguf_blocks
 from gpuwise.workloads.pretrained import spec_of
@@ -50,6 +50,7 @@ class GpuwiseBackend:
             raise GpuwiseError(str(e)) from None
         if self.weights in QUANTIZED:
             gc.collect()  # the plain weights just dropped: what is free now sizes the KV cache
+            release_freed_memory()
             free = free_memory(device)
         if self.decoder is not None:
             self.packed, self.packed_bytes = self.decoder.packed()

@@ -166,14 +166,14 @@ class _Linear:
 
     @property
     def nbytes(self) -> int:
-        """Bytes its weight is held in (the quantized or plain weight, or the packed copy)."""
+        """Bytes its weight is held in: the quantized weight, or the plain weight and the packed copy, each where
+        held (a bf16 product packed for oneDNN keeps its plain weight for the decode kernels: held twice)."""
         if self.quant is not None:
             return self.quant.nbytes
-        if self.weight is not None:
-            return self.weight.numel() * self.weight.element_size()
+        held = 0 if self.weight is None else self.weight.numel() * self.weight.element_size()
         if self.packed is not None:
-            return self.packed.packed.numel() * self.packed.packed.element_size()
-        return 0
+            held += self.packed.packed.numel() * self.packed.packed.element_size()
+        return held
 
     def __call__(self, x: torch.Tensor, groups: Groups = ()) -> torch.Tensor:
         if self.quant is not None:

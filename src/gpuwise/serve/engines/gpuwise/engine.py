@@ -31,6 +31,9 @@ or, for the Llama family and its LoRA adapters, the same forward fused by hand o
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import inspect
 import logging
 import os
@@ -158,6 +161,8 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self.cv:
+                if not self.closed and not self.waiting and not self.running and not self.prefilling:
+                    release_freed_memory()  # idle: what the last passes' activations took goes back to the OS
                 while not self.closed and not self.waiting and not self.running and not self.prefilling:
                     self.cv.wait()
                 if self.closed:
@@ -445,6 +450,24 @@ class Engine:
         if error is not None:
             event["error"] = repr(error)
         s.sink(event)
+
+
+@functools.cache
+def _malloc_trim():
+    libc = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+    except OSError:
+        return None
+
+
+def release_freed_memory() -> None:
+    """Hand the memory freed in the C heap back to the OS (glibc's malloc_trim; nothing elsewhere). A prefill's
+    activations and a load's dropped weights are freed into glibc's heap, which keeps them: a server that had
+    taken one long prompt stayed 0.2-0.4 GB above its weights and KV for good (benchmarks/serve_memory.py)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def attention_crossover(config) -> float:
