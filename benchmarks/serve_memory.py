@@ -23,18 +23,7 @@ import time
 from pathlib import Path
 
 import httpx
-from llm_serve_load import BASE, start
-
-SHORT = [
-    "Write a short review of a dark roast coffee.",
-    "What is a GPU good for?",
-    "Describe green tea in two sentences.",
-    "Give me three tips for storing coffee beans.",
-    "Why do dogs like peanut butter?",
-    "Write a haiku about breakfast.",
-    "What makes a good product review?",
-    "Explain what a recommender system does.",
-]
+from llm_serve_load import BASE, PROMPTS, start
 
 
 def rss(pid: int) -> int:
@@ -140,7 +129,7 @@ def main() -> None:
 
     model_dir = str(resolve_base(BASE))
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [long_prompt(tok, args.long)] + [SHORT[i % len(SHORT)] + f" ({i})" for i in range(args.short)]
+    prompts = [long_prompt(tok, args.long)] + [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(args.short)]
     longest = len(tok(prompts[0])["input_ids"])
     work = Path(tempfile.mkdtemp(prefix="serve-memory-"))
     base = serve_and_load(tiny_model(model_dir, work / "tiny"), "bf16", prompts, work / "tiny.log")
