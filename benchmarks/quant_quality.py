@@ -11,6 +11,11 @@ cut into chunks of --ctx tokens, each chunk run alone from an empty cache, and t
 scored (each token predicted from at least ctx/2 before it); perplexity = exp(mean negative log-likelihood).
 Bits per byte = that NLL summed / ln 2 / the scored tokens' bytes (gpuwise's rows; llama.cpp prints no bytes).
 
+gpuwise's quantized products read bf16 activations in a prompt (16 rows or more: the library's product on
+dequantized weights) and int8 ones in a decode step (1-8 rows: integer dot products, as llama.cpp's do at
+every size): each quantized row is scored both ways, "prompt" and "step" (the kernel's product at every size,
+decoder.LIBRARY_ROWS lifted), so that what generation reads is measured too.
+
 Each engine's quantized figures are read against its own bf16 (the same tokens): int8 against bf16, and
 gpuwise's int4 against llama.cpp's Q4_1 as the excess of log-perplexity over each one's bf16.
 
@@ -48,10 +53,14 @@ def held_out_text(size: int) -> str:
     return "\n\n".join(parts).encode()[:size].decode(errors="ignore")
 
 
-def gpuwise_scores(model_dir: str, ids: list[int], tok, ctx: int, weights: str) -> tuple[float, float, int, float]:
-    """(perplexity, bits per byte, tokens scored, seconds) of gpuwise's fused decoder holding `weights`."""
+def gpuwise_scores(
+    model_dir: str, ids: list[int], tok, ctx: int, weights: str, step: bool
+) -> tuple[float, float, int, float]:
+    """(perplexity, bits per byte, tokens scored, seconds) of gpuwise's fused decoder holding `weights`; `step`:
+    every quantized product as a decode step's (the kernel's, int8 activations)."""
     from transformers import AutoModelForCausalLM
 
+    from gpuwise.serve.engines.gpuwise import decoder as fused
     from gpuwise.serve.engines.gpuwise.decoder import Part, fused_decoder
     from gpuwise.serve.engines.gpuwise.kvcache import PagedCache, additive_mask
     from gpuwise.serve.engines.gpuwise.packed import packing
@@ -62,6 +71,9 @@ def gpuwise_scores(model_dir: str, ids: list[int], tok, ctx: int, weights: str) 
     if decoder is None:
         raise SystemExit(f"gpuwise {weights}: {note}")
     nll, scored, nbytes = 0.0, 0, 0
+    library_rows = fused.LIBRARY_ROWS
+    if step:
+        fused.LIBRARY_ROWS = sys.maxsize
     start = time.perf_counter()
     pos = torch.arange(ctx).unsqueeze(0)
     mask = additive_mask(pos.view(1, 1, ctx, 1) >= pos.view(1, 1, 1, ctx), torch.bfloat16)
@@ -78,6 +90,7 @@ def gpuwise_scores(model_dir: str, ids: list[int], tok, ctx: int, weights: str) 
         scored += len(targets)
         nbytes += len(tok.decode(targets.tolist()).encode())
     seconds = time.perf_counter() - start
+    fused.LIBRARY_ROWS = library_rows
     return math.exp(nll / scored), nll / math.log(2) / nbytes, scored, seconds
 
 
@@ -119,10 +132,11 @@ def main() -> None:
     print(f"text: {len(text.encode()):,} bytes of held-out reviews, {len(ids):,} tokens, {chunks} chunks of "
           f"{args.ctx}; {torch.get_num_threads()} threads", file=sys.stderr)  # fmt: skip
     rows = []
-    for weights in ("bf16", "int8", "int4"):
-        ppl, bpb, scored, seconds = gpuwise_scores(model_dir, ids, tok, args.ctx, weights)
-        rows.append(("gpuwise", weights, ppl, bpb, scored))
-        print(f"gpuwise {weights}: PPL {ppl:.4f}, {bpb:.4f} bits/byte ({seconds:.0f} s)", file=sys.stderr, flush=True)
+    for weights, step in (("bf16", False), ("int8", False), ("int8", True), ("int4", False), ("int4", True)):
+        ppl, bpb, scored, seconds = gpuwise_scores(model_dir, ids, tok, args.ctx, weights, step)
+        name = weights if weights == "bf16" else f"{weights} {'step' if step else 'prompt'}"
+        rows.append(("gpuwise", name, ppl, bpb, scored))
+        print(f"gpuwise {name}: PPL {ppl:.4f}, {bpb:.4f} bits/byte ({seconds:.0f} s)", file=sys.stderr, flush=True)
     theirs = {}
     if not args.no_llama_cpp:
         found = find_llama_server(None)
@@ -141,21 +155,27 @@ def main() -> None:
                 print(f"llama.cpp {name} ({gguf.name}): PPL {ppl:.4f}", file=sys.stderr, flush=True)
     print(f"SmolLM2-135M-Instruct, {len(text.encode()):,} bytes of held-out fine-food reviews, chunks of {args.ctx}, "
           "second halves scored (llama-perplexity's protocol)")  # fmt: skip
-    print(f"{'engine':<11}{'weights':<9}{'PPL':>10}{'bits/byte':>11}{'scored':>8}{'ln PPL vs its bf16':>20}")
+    print(f"{'engine':<11}{'weights':<13}{'PPL':>10}{'bits/byte':>11}{'scored':>8}{'ln PPL vs its bf16':>20}")
     base = {engine: math.log(ppl) for engine, w, ppl, _, _ in rows if w == "bf16"}
     for engine, w, ppl, bpb, scored in rows:
         rel = math.log(ppl) / base[engine] - 1
-        print(f"{engine:<11}{w:<9}{ppl:>10.4f}{bpb:>11.4f}{scored:>8}{rel:>+19.2%}")
+        print(f"{engine:<11}{w:<13}{ppl:>10.4f}{bpb:>11.4f}{scored:>8}{rel:>+19.2%}")
     ours = {w: ppl for engine, w, ppl, _, _ in rows if engine == "gpuwise"}
     bpb = {w: b for engine, w, _, b, _ in rows if engine == "gpuwise"}
-    print(f"gpuwise int8 bits/byte vs bf16: {bpb['int8'] / bpb['bf16'] - 1:+.2%} (goal within 0.5 %)")
+    for how in ("prompt", "step"):
+        off = bpb[f"int8 {how}"] / bpb["bf16"] - 1
+        print(f"gpuwise int8 ({how}) bits/byte vs bf16: {off:+.2%} (goal within 0.5 %)")
     if theirs:
-        excess_ours = math.log(ours["int4"]) - math.log(ours["bf16"])
         excess_theirs = math.log(theirs["Q4_1"]) - math.log(theirs["bf16"])
-        print(f"int4 / Q4_1: ln PPL over bf16, gpuwise {excess_ours:+.4f} vs llama.cpp {excess_theirs:+.4f}; "
-              f"gpuwise int4 PPL / llama.cpp Q4_1 PPL = {ours['int4'] / theirs['Q4_1']:.4f} (goal <= 1.01)")
-        print(f"int8 / Q8_0: gpuwise int8 PPL / llama.cpp Q8_0 PPL = {ours['int8'] / theirs['Q8_0']:.4f}; "
-              f"bf16: gpuwise / llama.cpp = {ours['bf16'] / theirs['bf16']:.4f} (the same weights, two engines)")
+        for how in ("prompt", "step"):
+            int4 = ours[f"int4 {how}"]
+            print(f"int4 ({how}) / Q4_1: ln PPL over bf16, gpuwise {math.log(int4) - math.log(ours['bf16']):+.4f} vs "
+                  f"llama.cpp {excess_theirs:+.4f}; gpuwise int4 PPL / llama.cpp Q4_1 PPL = "
+                  f"{int4 / theirs['Q4_1']:.4f} (goal <= 1.01)")  # fmt: skip
+        print(
+            f"int8 / Q8_0: gpuwise int8 (step) PPL / llama.cpp Q8_0 PPL = {ours['int8 step'] / theirs['Q8_0']:.4f}; "
+            f"bf16: gpuwise / llama.cpp = {ours['bf16'] / theirs['bf16']:.4f} (the same weights, two engines)"
+        )
 
 
 if __name__ == "__main__":

@@ -77,7 +77,8 @@ class PagedCache:
         self.table = torch.zeros(0, 1, dtype=torch.long)
         self.pos = torch.zeros(0, 1, dtype=torch.long)
         self.length = 0
-        self._write = self._read = torch.zeros(0, 1, dtype=torch.long)
+        self._write = torch.zeros(0, 1, dtype=torch.long)
+        self._read: torch.Tensor | None = None
 
     @classmethod
     def for_rows(cls, config, rows: int, dtype: torch.dtype, device, context: int, block: int = KV_BLOCK):
@@ -146,14 +147,16 @@ class PagedCache:
             raise ValueError(f"a pass reads {length} positions, its tables hold {table.shape[1] * self.block}")
         self.table, self.pos, self.length = table, pos, length
         self._write = self.slots(table, pos)
-        reads = torch.arange(length, device=table.device).expand(table.shape[0], length)
-        self._read = self.slots(table, reads)
+        self._read = None  # the gather index transformers' forward reads through: made when it first asks
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_, **__):
         k, v = self.flat(layer_idx)
         # [n, kv_heads, q, head_dim] in, stored as [n, q, kv_heads, head_dim] at each row's positions
         k[self._write] = key_states.transpose(1, 2).to(self.dtype)
         v[self._write] = value_states.transpose(1, 2).to(self.dtype)
+        if self._read is None:
+            reads = torch.arange(self.length, device=self.table.device).expand(self.table.shape[0], self.length)
+            self._read = self.slots(self.table, reads)
         return k[self._read].transpose(1, 2), v[self._read].transpose(1, 2)
 
     # transformers asks these of a cache in some code paths; a 4-D mask and explicit positions skip most.

@@ -185,6 +185,8 @@ constexpr int64_t kAhead = 4;       // weight rows ahead that a pass prefetches
 // uint8 q[16]} is q d + m; in the 4-bit ones value j < 16 is byte j's low nibble, value 16 + j its high one.
 // The quantized weight is dequantized in registers as it is read: no fp32 or bf16 copy of it is kept anywhere.
 constexpr int kPlain = 0, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+template <typename T>
+constexpr bool kInt8Acts = std::is_same<T, c10::BFloat16>::value;  // bf16 products by blocks: int8 activations
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -216,8 +218,66 @@ struct Blocks {
   const void* at(int64_t row, int64_t i) const { return block(row, i); }
 };
 
+// Two blocks (64 values) of a row as bytes for an integer dot product with 64 int8 activations (llama.cpp's way
+// of multiplying by quantized weights: its vec_dot_q8_0_q8_0 / q4_1_q8_1): `quants2` the weights as unsigned
+// bytes (Q8_0: their magnitudes, their signs as a mask moved onto x), `scales2` [d_b, m_b, d_b+1, m_b+1] as
+// floats, where m is what a block's sum of x is multiplied by (0 for Q8_0). `two` false: block b is the row's
+// last; the second block reads as zeros and nothing past the row is read.
+inline uint64_t two_halves(const uint8_t* a, const uint8_t* b) {  // fp16 pairs at a and b: [a0, a1, b0, b1]
+  uint32_t lo, hi = 0;
+  std::memcpy(&lo, a, 4);
+  if (b) std::memcpy(&hi, b, 4);
+  return static_cast<uint64_t>(lo) | static_cast<uint64_t>(hi) << 32;
+}
+
+struct Q8_0Pair {
+  __m512i u;
+  __mmask64 neg;
+};
+
+inline Q8_0Pair q8_0_quants2(const uint8_t* p, bool two) {
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+  const __m256i hi = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 36)) : _mm256_setzero_si256();
+  const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  return {_mm512_abs_epi8(q), _mm512_movepi8_mask(q)};  // |-128| is 128 as an unsigned byte
+}
+
+// u8 x s8 products summed in fours into 16 int32 lanes
+inline __m512i dot_u8s8(__m512i u, __m512i s) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#else  // no VNNI: pairs into int16 (no saturation: |q| <= 128 and |x| <= 127), then pairs of those
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
+}
+
+inline __m512i dot2(const Q8_0Pair& w, __m512i x) {
+  return dot_u8s8(w.u, _mm512_mask_sub_epi8(x, w.neg, _mm512_setzero_si512(), x));
+}
+
+inline __m512i dot2(__m512i w, __m512i x) { return dot_u8s8(w, x); }
+
+// the 16 bytes of nibbles at a (and b) as [a's low nibbles, a's high ones, b's low, b's high]: values 0-31 of
+// each block in order
+inline __m512i nibbles64(const uint8_t* a, const uint8_t* b) {
+  const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  __m512i z = b ? _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(va), 0xFF00,
+                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)))
+                : _mm512_maskz_broadcast_i32x4(0x00FF, va);
+  constexpr long long k4 = 0x0004000400040004ll;  // each 16-bit lane's shift: 4 in the high nibbles' 128 bits
+  z = _mm512_srlv_epi16(z, _mm512_set_epi64(k4, k4, 0, 0, k4, k4, 0, 0));
+  return _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+}
+
 struct Q8_0 : Blocks<34> {
   static constexpr bool kMin = false;  // no offset: a block's sum is d (q . x)
+  using Pair = Q8_0Pair;
+  Pair quants2(int64_t row, int64_t b, bool two) const { return q8_0_quants2(w + row * so + b * 34, two); }
+  __m128 scales2(int64_t row, int64_t b, bool two) const {
+    const uint8_t* p = w + row * so + b * 34;
+    const uint64_t h = two_halves(p, two ? p + 34 : nullptr) & 0x0000FFFF0000FFFFull;  // no m: a q's byte
+    return _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(h)));
+  }
   // block b of a row: its 32 values before the scale (lo: 0-15, hi: 16-31), its scale, its offset
   void decode(int64_t row, int64_t b, __m512& lo, __m512& hi, float& d, float& m) const {
     const uint8_t* p = w + row * so + b * 34;
@@ -250,6 +310,19 @@ inline void nibbles32(const uint8_t* q, __m512& lo, __m512& hi) {
 
 struct Q4_0 : Blocks<18> {
   static constexpr bool kMin = true;  // (q - 8) d: an offset of -8 d times the block's sum of x
+  using Pair = __m512i;
+  Pair quants2(int64_t row, int64_t b, bool two) const {
+    const uint8_t* p = w + row * so + b * 18;
+    return nibbles64(p + 2, two ? p + 20 : nullptr);
+  }
+  __m128 scales2(int64_t row, int64_t b, bool two) const {
+    const uint8_t* p = w + row * so + b * 18;
+    uint16_t d0, d1 = 0;
+    std::memcpy(&d0, p, 2);
+    if (two) std::memcpy(&d1, p + 18, 2);
+    const uint64_t h = d0 * 0x10001ull | static_cast<uint64_t>(d1) * 0x10001ull << 32;  // [d, d, d', d']
+    return _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(h))), _mm_setr_ps(1.f, -8.f, 1.f, -8.f));
+  }
   void decode(int64_t row, int64_t b, __m512& lo, __m512& hi, float& d, float& m) const {
     const uint8_t* p = w + row * so + b * 18;
     d = half_at(p), m = -8.f * d;
@@ -264,6 +337,15 @@ struct Q4_0 : Blocks<18> {
 
 struct Q4_1 : Blocks<20> {
   static constexpr bool kMin = true;  // q d + m: an offset of m times the block's sum of x
+  using Pair = __m512i;
+  Pair quants2(int64_t row, int64_t b, bool two) const {
+    const uint8_t* p = w + row * so + b * 20;
+    return nibbles64(p + 4, two ? p + 24 : nullptr);
+  }
+  __m128 scales2(int64_t row, int64_t b, bool two) const {
+    const uint8_t* p = w + row * so + b * 20;
+    return _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(two_halves(p, two ? p + 20 : nullptr))));
+  }
   void decode(int64_t row, int64_t b, __m512& lo, __m512& hi, float& d, float& m) const {
     const uint8_t* p = w + row * so + b * 20;
     d = half_at(p), m = half_at(p + 2);
@@ -336,6 +418,122 @@ inline void block_sums(const float* xf, int64_t M, int64_t I, float* xs) {
           _mm512_add_ps(_mm512_loadu_ps(xf + m * I + b * 32), _mm512_loadu_ps(xf + m * I + b * 32 + 16)));
 }
 
+// What a product by a weight in a block format reads of its M input rows of I values besides x itself: their
+// block sums (Q4's offsets) and, where the activations are bf16, the rows quantized to int8 a block of 32 at a
+// time with a scale each (llama.cpp's Q8_0 of the activations: d = max |x| / 127, q = x / d rounded to nearest
+// even), so that a block's products are integer dot products. In bf16 the activations already carry 8 bits of
+// mantissa; fp32 products keep fp32 activations (the reference the others are checked against).
+struct Acts {
+  const float* sums = nullptr;  // [M, I / 32]
+  const int8_t* q = nullptr;    // [M, I], or null: multiply in fp32
+  const float* d = nullptr;     // [M, I / 32]
+  Acts from(int64_t m0, int64_t I) const {
+    return {sums ? sums + m0 * (I / 32) : nullptr, q ? q + m0 * I : nullptr, d ? d + m0 * (I / 32) : nullptr};
+  }
+};
+
+inline void quantize_rows(const float* xf, int64_t M, int64_t I, int8_t* q, float* d) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < I / 32; ++b) {
+      const float* x = xf + m * I + b * 32;
+      const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float scale = amax / 127.f, inv = scale != 0.f ? 1.f / scale : 0.f;
+      int8_t* o = q + m * I + b * 32;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)))));
+      d[m * (I / 32) + b] = scale;
+    }
+}
+
+// the buffers behind one thread's Acts, reused from product to product
+struct ActBuffers {
+  std::vector<float> sums, d;
+  std::vector<int8_t> q;
+  Acts prepare(int fmt, const float* xf, int64_t M, int64_t I, bool quantize) {
+    if (fmt == kPlain) return {};
+    Acts a;
+    if (quantize) {
+      q.resize(M * I), d.resize(M * (I / 32));
+      quantize_rows(xf, M, I, q.data(), d.data());
+      a.q = q.data(), a.d = d.data();
+    }
+    if (fmt == kQ4_0 || fmt == kQ4_1) {
+      // the sums of the x the products read: of the quantized x where it is (llama.cpp's Q8_1 s = d sum(q)),
+      // so that Q4's offset cancels the error its all-positive q put in (2x nearer the exact product)
+      sums.resize(M * (I / 32));
+      if (quantize) {
+        for (int64_t j = 0; j < M * (I / 32); ++j) {
+          int sum = 0;
+          for (int64_t i = 0; i < 32; ++i) sum += q[j * 32 + i];
+          sums[j] = d[j] * static_cast<float>(sum);
+        }
+      } else {
+        block_sums(xf, M, I, sums.data());
+      }
+      a.sums = sums.data();
+    }
+    return a;
+  }
+};
+
+// qgemv_block on int8 activations: two blocks (64 values) a step, each weight row's two blocks read once for all
+// MM input rows; a block's integer sum scaled by d_w d_x, Q4's offset m times the block's sum of x (fp32).
+template <int MM, typename W, typename B, typename Emit>
+inline void qgemv_i8(const Acts& x, const W& w, const B* bias, int64_t I, int64_t o0, int64_t rows, Emit&& emit) {
+  constexpr int64_t R = kBlock;
+  const int64_t nb = I / 32;
+  const __m512i pick = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);  // [d_b x 8, d_b+1 x 8]
+  __m512 acc[R][MM];
+  __m128 off[R][MM];
+  for (int64_t r = 0; r < R; ++r)
+    for (int m = 0; m < MM; ++m) acc[r][m] = _mm512_setzero_ps(), off[r][m] = _mm_setzero_ps();
+  for (int64_t b = 0; b < nb; b += 2) {
+    const bool two = b + 1 < nb;
+    for (int64_t k = b; k < b + (two ? 2 : 1); ++k)
+      if (k * W::kBytes % 64 < W::kBytes)  // block k starts a cache line: the rows ahead's same line asked for
+        for (int64_t r = 0; r < R; ++r)
+          _mm_prefetch(static_cast<const char*>(w.at(o0 + kAhead + r, k * 32)), _MM_HINT_T0);
+    typename W::Pair q[R];
+    __m128 sc[R];
+    __m512 dw[R];
+    for (int64_t r = 0; r < R; ++r) {
+      if (r < rows) {
+        q[r] = w.quants2(o0 + r, b, two);
+        sc[r] = w.scales2(o0 + r, b, two);
+        dw[r] = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(sc[r]));
+      } else {
+        q[r] = typename W::Pair{}, sc[r] = _mm_setzero_ps(), dw[r] = _mm512_setzero_ps();
+      }
+    }
+    for (int m = 0; m < MM; ++m) {
+      const int8_t* xq = x.q + m * I + b * 32;
+      const __m512i xv = two ? _mm512_loadu_si512(xq) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xq);
+      const float* xd = x.d + m * nb + b;
+      const __m512 dx = _mm512_insertf32x8(_mm512_set1_ps(xd[0]), _mm256_set1_ps(two ? xd[1] : 0.f), 1);
+      __m128 xs = _mm_setzero_ps();
+      if constexpr (W::kMin) {
+        const float* s = x.sums + m * nb + b;
+        xs = _mm_setr_ps(0.f, s[0], 0.f, two ? s[1] : 0.f);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2(q[r], xv)), _mm512_mul_ps(dw[r], dx), acc[r][m]);
+        if constexpr (W::kMin) off[r][m] = _mm_add_ps(_mm_mul_ps(sc[r], xs), off[r][m]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float b = bias ? static_cast<float>(bias[o0 + r]) : 0.f;
+    for (int m = 0; m < MM; ++m) {
+      float o[4];
+      _mm_storeu_ps(o, off[r][m]);
+      emit(m, o0 + r, _mm512_reduce_add_ps(acc[r][m]) + (o[1] + o[3]) + b);
+    }
+  }
+}
+
 // Output rows m0 .. m0 + MM of output columns o0 .. o0 + rows (rows <= kBlock), each weight row read once a
 // pass: emit(m, o, the fp32 sum plus the bias) for each, m counted from m0.
 template <int MM, typename W, typename B, typename Emit>
@@ -372,16 +570,26 @@ inline void gemv_block(const float* xf, const W& w, const B* bias, int64_t I, in
   }
 }
 
-// Output columns o0 .. o0 + rows (rows <= kBlock) for all M input rows xf [M, I] in fp32: emit(m, o, v). xs: the
-// rows' block sums (block_sums) where w is a block format with offsets, else unread.
+// Output columns o0 .. o0 + rows (rows <= kBlock) for all M input rows xf [M, I] in fp32: emit(m, o, v). xa: what
+// a block format's product reads besides (ActBuffers::prepare), else unread.
 template <typename W, typename B, typename Emit>
-void gemv_cols(const float* xf, const float* xs, const W& w, const B* bias, int64_t M, int64_t I, int64_t o0,
+void gemv_cols(const float* xf, const Acts& xa, const W& w, const B* bias, int64_t M, int64_t I, int64_t o0,
                int64_t rows, Emit&& emit) {
   for (int64_t m0 = 0; m0 < M; m0 += kRowsAtOnce) {  // more rows: the block's weights again, from L1
     const float* xm = xf + m0 * I;
     auto at = [&](int m, int64_t o, float v) { emit(m0 + m, o, v); };
     if constexpr (W::kBlocks) {
-      const float* sums = xs ? xs + m0 * (I / 32) : nullptr;
+      const Acts xm_a = xa.from(m0, I);
+      const float* sums = xm_a.sums;
+      if (xm_a.q) {
+        switch (std::min(kRowsAtOnce, M - m0)) {
+          case 1: qgemv_i8<1>(xm_a, w, bias, I, o0, rows, at); break;
+          case 2: qgemv_i8<2>(xm_a, w, bias, I, o0, rows, at); break;
+          case 3: qgemv_i8<3>(xm_a, w, bias, I, o0, rows, at); break;
+          default: qgemv_i8<4>(xm_a, w, bias, I, o0, rows, at); break;
+        }
+        continue;
+      }
       switch (std::min(kRowsAtOnce, M - m0)) {
         case 1: qgemv_block<1>(xm, sums, w, bias, I, o0, rows, at); break;
         case 2: qgemv_block<2>(xm, sums, w, bias, I, o0, rows, at); break;
@@ -401,10 +609,10 @@ void gemv_cols(const float* xf, const float* xs, const W& w, const B* bias, int6
 
 // Weight blocks begin .. end (kBlock output columns each, of O): emit(m, o, v).
 template <typename W, typename B, typename Emit>
-void gemv_blocks(const float* xf, const float* xs, const W& w, const B* bias, int64_t M, int64_t O, int64_t I,
+void gemv_blocks(const float* xf, const Acts& xa, const W& w, const B* bias, int64_t M, int64_t O, int64_t I,
                  int64_t begin, int64_t end, Emit&& emit) {
   for (int64_t block = begin; block < end; ++block)
-    gemv_cols(xf, xs, w, bias, M, I, block * kBlock, std::min(kBlock, O - block * kBlock), emit);
+    gemv_cols(xf, xa, w, bias, M, I, block * kBlock, std::min(kBlock, O - block * kBlock), emit);
 }
 
 // A product of any number of rows by a weight in a block format (prefill, many streams): each thread takes
@@ -440,19 +648,20 @@ void wide_blocks(const float* xf, const W& w, const T* bias, T* out, int64_t M, 
 
 template <typename T>
 void gemv(int fmt, const T* x, const void* w, const T* bias, T* out, int64_t M, int64_t O, int64_t I, int64_t w_so) {
-  std::vector<float> xf(M * I), xs(fmt == kPlain ? 0 : M * (I / 32));
+  std::vector<float> xf(M * I);
   for (int64_t j = 0; j < M * I; ++j) xf[j] = static_cast<float>(x[j]);
-  if (fmt != kPlain) block_sums(xf.data(), M, I, xs.data());
+  ActBuffers buffers;
+  const Acts xa = buffers.prepare(fmt, xf.data(), M, I, kInt8Acts<T>);
   with_weight<T>(fmt, w, I, w_so, [&](auto wv) {
     using W = decltype(wv);
-    if (M > kMaxRows && !std::is_same<W, Plain<T>>::value) {
+    if (M > kMaxRows && !std::is_same<W, Plain<T>>::value && !xa.q) {
       at::parallel_for(0, (O + kWide - 1) / kWide, 4, [&](int64_t begin, int64_t end) {
         wide_blocks(xf.data(), wv, bias, out, M, O, I, begin, end);
       });
       return;
     }
     at::parallel_for(0, (O + kBlock - 1) / kBlock, 16, [&](int64_t begin, int64_t end) {
-      gemv_blocks(xf.data(), xs.data(), wv, bias, M, O, I, begin, end,
+      gemv_blocks(xf.data(), xa, wv, bias, M, O, I, begin, end,
                   [&](int64_t m, int64_t o, float v) { out[m * O + o] = static_cast<T>(v); });
     });
   });
@@ -548,11 +757,11 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
 #pragma omp single
     barrier = new (barrier_space) SpinBarrier(threads);  // the team's size is known only inside the region
     // (omp single ends with OpenMP's own barrier: every thread sees the barrier from here on)
-    std::vector<float> xf(M * std::max({E, H * D, F})), xs(M * std::max({E, H * D, F}) / 32 + 1);
-    // the block sums a Q4 product's offsets need, of what xf holds now (I values a row)
-    auto sums = [&](int f, int64_t I) {
-      if (f == kQ4_0 || f == kQ4_1) block_sums(xf.data(), M, I, xs.data());
-    };
+    std::vector<float> xf(M * std::max({E, H * D, F}));
+    ActBuffers buffers;
+    Acts xs;
+    // what a block format's product reads besides xf, of what xf holds now (I values a row)
+    auto sums = [&](int f, int64_t I) { xs = buffers.prepare(f, xf.data(), M, I, kInt8Acts<T>); };
     auto add_to_x = [&](int64_t m, int64_t o, float v) {  // the residual: x + the product rounded to T, rounded
       x[m * E + o] = static_cast<T>(static_cast<float>(x[m * E + o]) + static_cast<float>(static_cast<T>(v)));
     };
@@ -568,7 +777,7 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
       {
         auto [b, e] = share((QKV + kBlock - 1) / kBlock, tid, threads);
         with_weight<T>(fmt, weight(1), E, E, [&](auto wv) {
-          gemv_blocks(xf.data(), xs.data(), wv, w(2), M, QKV, E, b, e,
+          gemv_blocks(xf.data(), xs, wv, w(2), M, QKV, E, b, e,
                       [&](int64_t m, int64_t o, float v) { qkv[m * QKV + o] = static_cast<T>(v); });
         });
       }
@@ -619,7 +828,7 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
       {
         auto [b, e] = share((E + kBlock - 1) / kBlock, tid, threads);
         with_weight<T>(fmt, weight(3), H * D, H * D,
-                       [&](auto wv) { gemv_blocks(xf.data(), xs.data(), wv, w(4), M, E, H * D, b, e, add_to_x); });
+                       [&](auto wv) { gemv_blocks(xf.data(), xs, wv, w(4), M, E, H * D, b, e, add_to_x); });
       }
       barrier->wait();
       // the MLP's gate and up products for the same columns, then silu(gate) * up for them
@@ -631,9 +840,9 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
         for (int64_t block = b; block < e; ++block) {
           T gate[kBlock * kMaxRows], up[kBlock * kMaxRows];
           const int64_t f0 = block * kBlock, rows = std::min(kBlock, F - f0);
-          gemv_cols(xf.data(), xs.data(), wv, w(7), M, E, f0, rows,
+          gemv_cols(xf.data(), xs, wv, w(7), M, E, f0, rows,
                     [&](int64_t m, int64_t o, float v) { gate[(o - f0) * M + m] = static_cast<T>(v); });
-          gemv_cols(xf.data(), xs.data(), wv, w(7), M, E, F + f0, rows,
+          gemv_cols(xf.data(), xs, wv, w(7), M, E, F + f0, rows,
                     [&](int64_t m, int64_t o, float v) { up[(o - F - f0) * M + m] = static_cast<T>(v); });
           for (int64_t f = f0; f < f0 + rows; ++f)
             for (int64_t m = 0; m < M; ++m) {
@@ -649,7 +858,7 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
       sums(fmt, F);
       {
         auto [b, e] = share((E + kBlock - 1) / kBlock, tid, threads);
-        with_weight<T>(fmt, weight(8), F, F, [&](auto wv) { gemv_blocks(xf.data(), xs.data(), wv, w(9), M, E, F, b, e, add_to_x); });
+        with_weight<T>(fmt, weight(8), F, F, [&](auto wv) { gemv_blocks(xf.data(), xs, wv, w(9), M, E, F, b, e, add_to_x); });
       }
       barrier->wait();
     }
@@ -657,7 +866,7 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
     sums(head_fmt, E);
     auto [b, e] = share((V + kBlock - 1) / kBlock, tid, threads);
     with_weight<T>(head_fmt, head, E, E, [&](auto wv) {
-      gemv_blocks(xf.data(), xs.data(), wv, static_cast<const T*>(nullptr), M, V, E, b, e,
+      gemv_blocks(xf.data(), xs, wv, static_cast<const T*>(nullptr), M, V, E, b, e,
                   [&](int64_t m, int64_t o, float v) { logits[m * V + o] = static_cast<T>(v); });
     });
   }
