@@ -12,7 +12,7 @@ import pytest
 from serving import Engine, Server, killed_is_one_line, llama_server, serve_cli, stops_with_it
 from test_vllm_engine import BASE, PROMPTS, lora_runs, oa_sync, one_line_error
 
-from gpuwise.plan.engines import LLAMA_CPP_MAX_STREAMS, auto_engine
+from gpuwise.plan.engines import auto_engine
 
 __all__ = ["lora_runs"]  # the fixture, shared with test_vllm_engine.py
 
@@ -91,36 +91,75 @@ def test_a_missing_or_broken_llama_server_is_one_line(capsys, monkeypatch, tmp_p
     assert "--dtype q8_0 is llama.cpp's" in one_line_error(capsys, [BASE, "--engine", "gpuwise", "--dtype", "q8_0"])
 
 
-def test_the_auto_rule_reads_device_format_adapters_and_streams():
-    """plan/engines.py auto_engine, the rule docs/serving.md measures."""
-    assert auto_engine("cuda", True, True, True, 1)[0] == "vllm"
-    assert auto_engine("cuda", False, True, True, 1)[0] == "gpuwise"
-    one, more = LLAMA_CPP_MAX_STREAMS, LLAMA_CPP_MAX_STREAMS + 1
-    assert auto_engine("cpu", False, True, quantized_gguf=True, streams=one)[0] == "llama.cpp"
-    assert auto_engine("cpu", False, True, quantized_gguf=True, streams=more)[0] == "gpuwise"
-    assert auto_engine("cpu", False, True, quantized_gguf=True, streams=one, adapters=True)[0] == "gpuwise"
-    assert auto_engine("cpu", False, True, streams=one)[0] == "gpuwise"  # bf16 or fp32: gpuwise's engine
-    engine, why = auto_engine("cpu", False, False, quantized_gguf=True, streams=1)
-    assert engine == "gpuwise" and "llama.cpp not installed (make llama.cpp)" in why
+def test_the_auto_rule_reads_device_adapters_and_the_measured_speed_at_the_streams_expected(monkeypatch):
+    """plan/engines.py auto_engine: on a CPU, a quantized GGUF is served the way measured fastest at the level at
+    or below the streams expected (CPU_TOK_S, the table docs/serving.md measures), of gpuwise's engine on the
+    file's own blocks, gpuwise's on them in bf16, and llama.cpp; within SAME_SPEED of the fastest the first of
+    those; the figures it decided on are in its line."""
+    from gpuwise.plan import engines
+
+    assert auto_engine("cuda", True, True, "q4_1", 1).engine == "vllm"
+    assert auto_engine("cuda", False, True, "q4_1", 1).engine == "gpuwise"
+    assert auto_engine("cpu", False, True, "q4_1", 1, adapters=True).engine == "gpuwise"
+    plain = auto_engine("cpu", False, True, None, 1)  # bf16 or fp32 weights: gpuwise's engine
+    assert plain.engine == "gpuwise" and plain.weights is None
+
+    def check(gguf: str, blocks: str, streams: int, installed: bool = True) -> None:
+        at = engines.STREAM_LEVELS.index(max(n for n in engines.STREAM_LEVELS if n <= streams))
+        ways = [(("gpuwise", w), engines.CPU_TOK_S[f"gpuwise {w}"][at]) for w in (blocks, "bf16")]
+        ways += [(("llama.cpp", None), engines.CPU_TOK_S[f"llama.cpp {gguf}"][at])] if installed else []
+        best = max(v for _, v in ways)
+        choice = auto_engine("cpu", False, installed, gguf, streams)
+        picked = [v for way, v in ways if way == (choice.engine, choice.weights)]
+        assert picked and picked[0] >= engines.SAME_SPEED * best, (gguf, streams, choice)
+        before = ways[: [way for way, _ in ways].index((choice.engine, choice.weights))]
+        assert all(v < engines.SAME_SPEED * best for _, v in before), (gguf, streams, choice)  # the first such
+        assert all(f"{v:.0f}" in choice.why for _, v in ways) and engines.CPU_TOK_S_SOURCE in choice.why
+
+    for gguf, blocks in (("q4_1", "int4"), ("q8_0", "int8")):
+        for streams in (1, 4, 8, 31, 32, 64):
+            check(gguf, blocks, streams)
+            check(gguf, blocks, streams, installed=False)
+    # the rule follows the table: llama.cpp where it is measured well ahead, gpuwise's engine where it is
+    table = dict(engines.CPU_TOK_S)
+    monkeypatch.setitem(engines.CPU_TOK_S, "llama.cpp q4_1", tuple(x * 10 for x in table["gpuwise bf16"]))
+    assert auto_engine("cpu", False, True, "q4_1", 1).engine == "llama.cpp"
+    nowhere = auto_engine("cpu", False, False, "q4_1", 1)  # ... where it is installed
+    assert nowhere.engine == "gpuwise" and "make llama.cpp" in nowhere.why
+    monkeypatch.setitem(engines.CPU_TOK_S, "llama.cpp q4_1", (1.0, 1.0, 1.0))
+    monkeypatch.setitem(engines.CPU_TOK_S, "gpuwise int4", tuple(x * 0.95 for x in table["gpuwise bf16"]))
+    assert auto_engine("cpu", False, True, "q4_1", 8).weights == "int4"  # the same speed: the file's blocks
+    monkeypatch.setitem(engines.CPU_TOK_S, "gpuwise int4", tuple(x * 0.5 for x in table["gpuwise bf16"]))
+    choice = auto_engine("cpu", False, True, "q4_1", 8)
+    assert choice.weights == "bf16" and "dequantized to bf16" in choice.why
+    # a type gpuwise's kernels do not hold as --weights: its bf16 against llama.cpp at those bits
+    assert auto_engine("cpu", False, True, "q4_0", 1).weights in ("bf16", None)
 
     from gpuwise.plan.engines import serving_plan
 
     plan = {"precision": "bf16", "layout": {}, "model": {"name": BASE}, "seq": 512, "batch": 1, "max_batch": 8}
-    on_cpu = serving_plan(plan, BASE, "", 64, "cpu")
-    assert on_cpu["engine"] == "llama.cpp" and "a quantized GGUF on a CPU" in on_cpu["why"]
-    assert serving_plan(plan | {"batch": 8}, BASE, "", 64, "cpu")["engine"] == "gpuwise"  # --batch 8: 8 streams
+    for batch in (1, 8, 32):  # --batch: the streams expected
+        planned = serving_plan(plan | {"batch": batch}, BASE, "", 64, "cpu")
+        assert planned["engine"] == auto_engine("cpu", True, True, "q4_1", batch).engine, planned
+        assert "a Q4_1 GGUF on a CPU" in planned["why"]
 
 
-def test_serve_auto_picks_llama_cpp_for_the_named_base_at_one_stream_only():
-    """`gpuwise serve BASE` (`--engine auto`, as `choose_engine` reads it) with llama.cpp installed: llama.cpp
-    at --max-seqs 1, gpuwise's engine at the default 32; a model given in bf16 is gpuwise's at one stream too."""
+def test_serve_auto_on_the_named_base_takes_the_engine_the_table_says_and_the_files_blocks():
+    """`gpuwise serve BASE` (`--engine auto`, as `choose_engine` reads it) with llama.cpp installed: the way
+    auto_engine reads off the measured table, gpuwise's engine holding the file's Q4_1 blocks (--weights int4) or
+    them in bf16; a model given in bf16 is gpuwise's in bf16; `--engine gpuwise` on the file takes its blocks."""
+    from gpuwise.plan import engines
     from gpuwise.serve.engines.choose import choose_engine
 
     binary = str(llama_server())
-    one = choose_engine("auto", [(BASE, BASE)], 1, "auto", llama_server=binary)
-    assert one.engine == "llama.cpp" and one.llama_server is not None and "ahead at one stream" in one.why
-    assert choose_engine("auto", [(BASE, BASE)], 32, "auto", llama_server=binary).engine == "gpuwise"
-    assert choose_engine("auto", [(BASE, BASE)], 1, "bf16", llama_server=binary).engine == "gpuwise"
+    for streams in (1, 8, 32):
+        chosen = choose_engine("auto", [(BASE, BASE)], streams, "auto", llama_server=binary)
+        rule = auto_engine("cpu", False, True, "q4_1", streams)
+        assert (chosen.engine, chosen.weights) == (rule.engine, rule.weights), (chosen, rule)
+        assert (chosen.llama_server is not None) == (chosen.engine == "llama.cpp")
+    bf16 = choose_engine("auto", [(BASE, BASE)], 1, "bf16", llama_server=binary)
+    assert bf16.engine == "gpuwise" and bf16.weights is None
+    assert choose_engine("gpuwise", [(BASE, BASE)], 1, "auto").weights == engines.GGUF_WEIGHTS["q4_1"]
 
 
 def test_a_child_engine_inherits_what_the_user_set_not_what_gpuwise_set_for_itself(monkeypatch):

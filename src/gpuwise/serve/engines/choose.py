@@ -4,14 +4,14 @@ installed here. The CLI asks `choose_engine` and prints its answer; `serve.model
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpuwise.errors import GpuwiseError
 from gpuwise.hardware.devices import serving_device
-from gpuwise.plan.engines import ENGINES, auto_engine
+from gpuwise.plan.engines import ENGINES, GGUF_WEIGHTS, auto_engine, quantized_gguf
 from gpuwise.serve.engines.llamacpp import DTYPES as LLAMA_CPP_DTYPES
-from gpuwise.serve.engines.llamacpp import find_llama_server, llama_server_version, quantized_gguf
+from gpuwise.serve.engines.llamacpp import find_llama_server, llama_server_version
 from gpuwise.serve.engines.vllm import find_vllm
 from gpuwise.serve.models import is_run
 from gpuwise.train.records import open_finished
@@ -28,6 +28,7 @@ class Chosen:
     why: str
     vllm_python: str | None = None
     llama_server: Path | None = None
+    weights: str | None = None  # `auto` on a quantized GGUF: the --weights that holds the file's own blocks
 
 
 def choose_engine(
@@ -47,6 +48,9 @@ def choose_engine(
     if dtype not in DTYPES:
         raise GpuwiseError(f"--dtype {dtype}: choose auto, fp32, bf16, fp16 or q8_0 (llama.cpp)")
     chosen = _choose(engine, refs, streams, dtype, vllm_python, llama_server)
+    if chosen.engine == "gpuwise" and chosen.weights is None and dtype == "auto" and len(refs) == 1:
+        # --weights auto on gpuwise's engine: a quantized GGUF's own blocks, where the kernels read its type
+        chosen = replace(chosen, weights=GGUF_WEIGHTS.get(quantized_gguf(refs[0][1]) or ""))
     if dtype not in (LLAMA_CPP_DTYPES if chosen.engine == "llama.cpp" else DTYPES[:4]):
         raise GpuwiseError(
             f"--dtype {dtype} is llama.cpp's (--engine llama.cpp); {chosen.engine} serves fp32, bf16, fp16"
@@ -79,11 +83,11 @@ def _choose(
                     "'Install vLLM')"
                 )
             return Chosen("vllm", f"--engine vllm; {found[1]}", vllm_python=found[0])
-        chosen, why = auto_engine(device, found is not None)
-        if chosen == "vllm":
+        choice = auto_engine(device, found is not None)
+        if choice.engine == "vllm":
             assert found is not None
-            return Chosen("vllm", f"{why}; {found[1]}", vllm_python=found[0])
-        return Chosen(chosen, why)
+            return Chosen("vllm", f"{choice.why}; {found[1]}", vllm_python=found[0])
+        return Chosen(choice.engine, choice.why)
     server = find_llama_server(llama_server)
     if engine == "llama.cpp":
         if device == "cuda":
@@ -96,13 +100,14 @@ def _choose(
         why = f"--engine llama.cpp; llama-server ({llama_server_version(server[0])}) at {server[0]} ({server[1]})"
         return Chosen("llama.cpp", why, llama_server=server[0])
     adapters = any(_is_lora_run(ref) for _, ref in refs)
-    quantized = dtype == "auto" and len(refs) == 1 and quantized_gguf(refs[0][1])
-    chosen, why = auto_engine(device, False, server is not None, quantized, streams, adapters)
-    if chosen == "llama.cpp":
+    gguf = quantized_gguf(refs[0][1]) if dtype == "auto" and len(refs) == 1 else None
+    choice = auto_engine(device, False, server is not None, gguf, streams, adapters)
+    if choice.engine == "llama.cpp":
         assert server is not None
         llama_server_version(server[0])  # a build for another CPU is one line here, not a crash mid-request
-        return Chosen("llama.cpp", f"{why}; llama-server at {server[0]} ({server[1]})", llama_server=server[0])
-    return Chosen(chosen, why)
+        why = f"{choice.why}; llama-server at {server[0]} ({server[1]})"
+        return Chosen("llama.cpp", why, llama_server=server[0])
+    return Chosen(choice.engine, choice.why, weights=choice.weights)
 
 
 def _is_lora_run(ref: str) -> bool:

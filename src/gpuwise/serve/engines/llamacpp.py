@@ -27,7 +27,7 @@ from gpuwise.errors import GpuwiseError
 from gpuwise.hardware.devices import free_memory
 from gpuwise.plan.bases import NAMED_BASES, named_base_path
 from gpuwise.plan.engines import LlamaCppArgs
-from gpuwise.plan.gguf import read_gguf_header
+from gpuwise.plan.gguf import gguf_file_type
 from gpuwise.plan.serving import plan_server
 from gpuwise.serve.engines.base import GREEDY_BELOW, Sequence
 from gpuwise.serve.engines.child import ChildBackend, ChildServer, StreamingEngine, end_of_text
@@ -257,7 +257,7 @@ class LlamaCppBackend(ChildBackend):
 
         self.tok, self.device, self.binary = tok, "cpu", binary
         self.gguf, self.made = gguf_model(ref, source, dtype, binary)
-        self.precision = dtype if dtype != "auto" else _gguf_type(self.gguf)
+        self.precision = dtype if dtype != "auto" else gguf_file_type(self.gguf)
         cache_type = "f32" if dtype == "fp32" else "f16"  # llama.cpp's default KV type, f32 for an fp32 model
         self.serving = plan_server(config, CACHE_BYTES[cache_type], limits.max_seqs, limits.max_model_len,
                                    limits.prefix_cache_tokens, free_memory("cpu"), "cpu")  # fmt: skip
@@ -290,18 +290,3 @@ class LlamaCppBackend(ChildBackend):
         return self.args.command(str(self.binary))
 
 
-def quantized_gguf(ref: str) -> bool:
-    """Whether `ref` is a GGUF of quantized weights (Q4, Q8...): the named base as it ships, or a .gguf file."""
-    path = Path(named_base_path(ref)) if ref in NAMED_BASES else Path(ref).expanduser()
-    return path.suffix.lower() == ".gguf" and path.is_file() and _gguf_type(path) not in ("f32", "f16", "bf16", "gguf")
-
-
-def _gguf_type(path: Path) -> str:
-    """The GGUF's file type as llama.cpp names it (Q4_1, BF16...), from its header's general.file_type."""
-    names = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 7: "q8_0", 32: "bf16"}
-    try:
-        meta, _ = read_gguf_header(path)
-    except (OSError, ValueError, GpuwiseError):
-        return "gguf"
-    code = meta.get("general.file_type")
-    return names.get(code, f"gguf file type {code}") if isinstance(code, int) else "gguf"

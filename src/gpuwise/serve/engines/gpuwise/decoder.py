@@ -105,9 +105,10 @@ def unsupported(model) -> str | None:
 
 
 # Quantized products of this many rows or more go to the library a chunk of weight rows at a time (`_qlinear`);
-# below, the kernel's own. Against the kernel, oneDNN's bf16 product on chunks dequantized by the kernel library
-# ran 0.6-0.9x as fast at 8 rows, 1.1-1.2x at 16, 1.5-1.7x at 32, 2.8-3.4x at 64 (a layer's four products of
-# SmolLM2-135M in Q8_0 and Q4_1, one thread, 2-core Xeon with AMX; docs/serving.md, "Fewer bytes per token").
+# below, the kernel's own (int8 activations in bf16). Against the kernel, oneDNN's bf16 product on chunks
+# dequantized by the kernel ran 0.4-0.5x as fast at 8 rows, 0.7-1.1x at 12-16, 1.0-1.2x at 20, 1.6-1.8x at 32,
+# 2.7-3.0x at 64 (a layer's four products of SmolLM2-135M in Q8_0 and Q4_1, one thread, 2-core Xeon with AMX;
+# docs/serving.md, "Fewer bytes per token").
 LIBRARY_ROWS = 16
 CHUNK_ROWS = 1024  # 1024 x 576 bf16 weights: 1.2 MB, in the L2 cache
 
