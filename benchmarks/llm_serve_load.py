@@ -31,8 +31,8 @@ gpuwise's own concurrency-1 throughput; at 1, at least the peer's tokens/s.
 
 Bytes (issue #54): each server's weight bytes read per decode step (gpuwise's: the planner's bytes per weight,
 which tests/test_quant.py holds to the bytes the engine holds; llama.cpp's: the tensors of the GGUF it serves),
-and at one stream the bandwidth that reaches (tok/s x bytes), against what benchmarks/weight_read.cpp reads
-on this host in the same run (compiled here; its best variant).
+and at one stream the bandwidth that reaches (tok/s x bytes, and bytes / TPOT p50: a decode step's own), against
+what benchmarks/weight_read.cpp reads on this host in the same run (compiled here; its best variant).
 """
 
 from __future__ import annotations
@@ -465,12 +465,16 @@ def main() -> None:
         print(f"{dtype} {name}: {share}")
     # bytes: what each server reads a step, and at one stream the bandwidth that reaches
     print(f"weight_read.cpp on this host: {read_gbs:.1f} GB/s")
-    print(f"{'dtype':<6}{'server':<26}{'MB a step':>10}{'GB/s at 1':>10}{'of weight_read':>15}")
+    # two readings: tok/s x bytes (the requests' whole time, first tokens included) and bytes / TPOT p50 (a decode
+    # step's time as the client sees it, between two tokens of a stream)
+    print(f"{'dtype':<6}{'server':<26}{'MB a step':>10}{'GB/s at 1':>10}{'of weight_read':>15}"
+          f"{'GB/s a step':>12}{'of weight_read':>15}")  # fmt: skip
     for dtype, name, c, r, _ in rows:
         if c != 1 or per_step.get((dtype, name), float("nan")) != per_step.get((dtype, name), float("nan")):
             continue
-        gbs = r["tokens_per_s"] * per_step[dtype, name] / 1e9
-        print(f"{dtype:<6}{name:<26}{per_step[dtype, name] / 1e6:>10.0f}{gbs:>10.1f}{gbs / read_gbs:>15.0%}")
+        gbs, step = r["tokens_per_s"] * per_step[dtype, name] / 1e9, per_step[dtype, name] / r["tpot_p50"] / 1e9
+        print(f"{dtype:<6}{name:<26}{per_step[dtype, name] / 1e6:>10.0f}{gbs:>10.1f}{gbs / read_gbs:>15.0%}"
+              f"{step:>12.1f}{step / read_gbs:>15.0%}")  # fmt: skip
     if args.json:
         figures = [{"dtype": d, "server": n, "concurrency": c, **r, "bound_tokens_per_s": b} for d, n, c, r, b in rows]
         args.json.write_text(

@@ -11,10 +11,10 @@ cut into chunks of --ctx tokens, each chunk run alone from an empty cache, and t
 scored (each token predicted from at least ctx/2 before it); perplexity = exp(mean negative log-likelihood).
 Bits per byte = that NLL summed / ln 2 / the scored tokens' bytes (gpuwise's rows; llama.cpp prints no bytes).
 
-gpuwise's quantized products read bf16 activations in a prompt (16 rows or more: the library's product on
-dequantized weights) and int8 ones in a decode step (1-8 rows: integer dot products, as llama.cpp's do at
-every size): each quantized row is scored both ways, "prompt" and "step" (the kernel's product at every size,
-decoder.LIBRARY_ROWS lifted), so that what generation reads is measured too.
+gpuwise's quantized products read bf16 activations in a prompt (more than 8 rows: AMX's tiles or the library's
+product, on weights dequantized to bf16) and int8 ones in a decode step (1-8 rows: integer dot products, as
+llama.cpp's do at every size): each quantized row is scored both ways, "prompt" and "step" (every product in
+calls of at most 8 rows), so that what generation reads is measured too.
 
 Each engine's quantized figures are read against its own bf16 (the same tokens): int8 against bf16, and
 gpuwise's int4 against llama.cpp's Q4_1 as the excess of log-perplexity over each one's bf16.
@@ -61,6 +61,7 @@ def gpuwise_scores(
     from transformers import AutoModelForCausalLM
 
     from gpuwise.serve.engines.gpuwise import decoder as fused
+    from gpuwise.serve.engines.gpuwise.attention import GEMV_ROWS
     from gpuwise.serve.engines.gpuwise.decoder import Part, fused_decoder
     from gpuwise.serve.engines.gpuwise.kvcache import PagedCache, additive_mask
     from gpuwise.serve.engines.gpuwise.packed import packing
@@ -71,9 +72,15 @@ def gpuwise_scores(
     if decoder is None:
         raise SystemExit(f"gpuwise {weights}: {note}")
     nll, scored, nbytes = 0.0, 0, 0
-    library_rows = fused.LIBRARY_ROWS
-    if step:
-        fused.LIBRARY_ROWS = sys.maxsize
+    qgemv = fused._Linear._qgemv
+    if step:  # every product as a decode step's: at most 8 rows a call (int8 activations, row by row the same)
+
+        def by_steps(self, x: torch.Tensor) -> torch.Tensor:
+            rows = x.reshape(-1, x.shape[-1])
+            parts = [qgemv(self, rows[i : i + GEMV_ROWS]) for i in range(0, len(rows), GEMV_ROWS)]
+            return torch.cat(parts).reshape(*x.shape[:-1], -1)
+
+        fused._Linear._qgemv = by_steps
     start = time.perf_counter()
     pos = torch.arange(ctx).unsqueeze(0)
     mask = additive_mask(pos.view(1, 1, ctx, 1) >= pos.view(1, 1, 1, ctx), torch.bfloat16)
@@ -90,7 +97,7 @@ def gpuwise_scores(
         scored += len(targets)
         nbytes += len(tok.decode(targets.tolist()).encode())
     seconds = time.perf_counter() - start
-    fused.LIBRARY_ROWS = library_rows
+    fused._Linear._qgemv = qgemv
     return math.exp(nll / scored), nll / math.log(2) / nbytes, scored, seconds
 
 

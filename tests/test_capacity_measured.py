@@ -138,6 +138,15 @@ def test_plan_task_serve_on_this_cpu_reads_the_measurement(measured, model_dir, 
     (row,) = json.loads(capsys.readouterr().out)["options"]
     assert row["gpu"] == "cpu (gpuwise)" and row["meets"] and row["goodput_per_replica"] > 0
     assert "measured by gpuwise bench --serve" in row["step_source"]
+    # a server is planned from a measurement of the weights it holds (the server's /v1/info says them)
+    from gpuwise.hardware.catalog import load_catalog
+    from gpuwise.plan.endpoint import endpoint_replica
+
+    assert measured["weights"] == "fp32"
+    replica, why = endpoint_replica(config, "gpuwise", "cpu", "fp32", load_catalog(), "fp32")
+    assert replica is not None and "record #" in replica.source, why
+    none, why = endpoint_replica(config, "gpuwise", "cpu", "fp32", load_catalog(), "int4")
+    assert none is None and f"gpuwise bench --serve {config} --engine gpuwise --weights int4" in why
     assert main(["runs"]) == 0
     assert "gpuwise steps" in capsys.readouterr().out
 
@@ -146,7 +155,11 @@ def test_bench_serve_refuses_bad_flags(capsys):
     assert main(["bench", "--serve", "x", "--engine", "tgi"]) == 2
     assert "--engine tgi: must be one of gpuwise, vllm, llama.cpp" in capsys.readouterr().err
     assert main(["bench", "--engine", "vllm"]) == 2
-    assert "--engine and --dtype apply to --serve MODEL" in capsys.readouterr().err
+    assert "--engine, --dtype and --weights apply to --serve MODEL" in capsys.readouterr().err
+    assert main(["bench", "--serve", "x", "--weights", "int3"]) == 2
+    assert "--weights int3: choose auto, bf16, int8, int4" in capsys.readouterr().err
+    assert main(["bench", "--serve", "x", "--engine", "llama.cpp", "--weights", "int4"]) == 2
+    assert "--weights is gpuwise's engine's" in capsys.readouterr().err
     assert main(["bench", "--serve", "/nonexistent/model"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("gpuwise: error: ") and err.count("\n") == 1

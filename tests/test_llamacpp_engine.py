@@ -147,7 +147,8 @@ def test_the_auto_rule_reads_device_adapters_and_the_measured_speed_at_the_strea
 def test_serve_auto_on_the_named_base_takes_the_engine_the_table_says_and_the_files_blocks():
     """`gpuwise serve BASE` (`--engine auto`, as `choose_engine` reads it) with llama.cpp installed: the way
     auto_engine reads off the measured table, gpuwise's engine holding the file's Q4_1 blocks (--weights int4) or
-    them in bf16; a model given in bf16 is gpuwise's in bf16; `--engine gpuwise` on the file takes its blocks."""
+    them in bf16; a model given in bf16 is gpuwise's in bf16; `--engine gpuwise` on the file holds it the faster
+    of gpuwise's two ways."""
     from gpuwise.plan import engines
     from gpuwise.serve.engines.choose import choose_engine
 
@@ -159,7 +160,10 @@ def test_serve_auto_on_the_named_base_takes_the_engine_the_table_says_and_the_fi
         assert (chosen.llama_server is not None) == (chosen.engine == "llama.cpp")
     bf16 = choose_engine("auto", [(BASE, BASE)], 1, "bf16", llama_server=binary)
     assert bf16.engine == "gpuwise" and bf16.weights is None
-    assert choose_engine("gpuwise", [(BASE, BASE)], 1, "auto").weights == engines.GGUF_WEIGHTS["q4_1"]
+    for streams in (1, 32):  # --engine gpuwise: the faster of its two ways, as auto measures them
+        rule = auto_engine("cpu", False, False, "q4_1", streams)
+        assert choose_engine("gpuwise", [(BASE, BASE)], streams, "auto").weights == rule.weights
+    assert rule.weights in ("bf16", engines.GGUF_WEIGHTS["q4_1"])
 
 
 def test_a_child_engine_inherits_what_the_user_set_not_what_gpuwise_set_for_itself(monkeypatch):

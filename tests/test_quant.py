@@ -63,22 +63,28 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+@pytest.mark.parametrize("rows", [1, 3, 8, 45, 64])
 def test_the_quantized_product_is_dequantize_then_multiply(kernel, fmt, rows, dtype):
-    """In fp32, at 1-8 rows the kernel dequantizes in registers as it reads, at 64 it dequantizes 16 weight rows at
-    a time into its cache: both are F.linear on the dequantized weight. In bf16 the activations are int8 too, a
-    block of 32 at a time (integer dot products, as llama.cpp's; the engine sends 16 rows or more to the library's
-    product instead: decoder.LIBRARY_ROWS): F.linear on both dequantized. Bound: fp32 sums in another order
-    (measured 1e-7 to 6e-7 of the largest output), and in bf16 the output's one rounding (2^-8 = 3.9e-3; measured
-    up to 3.3e-3). Allowed: 1e-5 and 5e-3; and in bf16, 8e-3 of the product of the exact activations (int8
-    activations' own error, with the rounding, measured up to 7.5e-3 of the largest output)."""
+    """In fp32, at 1-8 rows the kernel dequantizes in registers as it reads, at more it dequantizes 16 weight rows at
+    a time into its cache: both are F.linear on the dequantized weight. In bf16 at 1-8 rows the activations are int8
+    too, a block of 32 at a time (integer dot products, as llama.cpp's): F.linear on both dequantized; at more rows,
+    where the CPU has AMX, the weights are dequantized to bf16 for its tiles (as the library's product on them
+    reads them); without AMX, int8 activations at any size (the engine sends 16 rows or more to the library's
+    product instead: decoder.LIBRARY_ROWS). Bound: fp32 sums in another order (measured 1e-7 to 6e-7 of the largest
+    output), and in bf16 the output's one rounding (2^-8 = 3.9e-3; measured up to 3.3e-3). Allowed: 1e-5 and 5e-3;
+    and in bf16, 8e-3 of the product of the exact activations and fp32 weights (int8 activations' own error, with
+    the rounding, measured up to 7.5e-3 of the largest output)."""
     torch.manual_seed(rows)
-    w, bias = torch.randn(200, 608), torch.randn(200)  # 19 blocks a row: an odd one at the end
+    w, bias = torch.randn(200, 608), torch.randn(200)  # 19 blocks a row, an odd one at the end; 6 tiles and a part
     q = quantize(w, fmt)
     x = torch.randn(rows, 608).to(dtype)
     got = kernel.qgemv(x, q, bias.to(dtype))
-    read = int8_activations(x) if dtype == torch.bfloat16 else x.float()
-    expected = read @ dequantize(q).T + bias.to(dtype).float()
+    weights, read = dequantize(q), x.float()
+    if dtype == torch.bfloat16 and kernel.amx and rows > attention.GEMV_ROWS:
+        weights = dequantize(q, torch.bfloat16).float()
+    elif dtype == torch.bfloat16:
+        read = int8_activations(x)
+    expected = read @ weights.T + bias.to(dtype).float()
     assert got.shape == (rows, 200) and got.dtype == dtype
     off = float((got.float() - expected).abs().max() / expected.abs().max())
     assert off <= {torch.float32: 1e-5, torch.bfloat16: 5e-3}[dtype], off
@@ -89,11 +95,23 @@ def test_the_quantized_product_is_dequantize_then_multiply(kernel, fmt, rows, dt
     assert kernel.qgemv(x.view(1, rows, 608), q).shape == (1, rows, 200)
 
 
-@pytest.mark.parametrize("rows", [3, 200])
+def test_the_kernel_uses_what_this_cpu_has():
+    """VNNI's int8 dot products and AMX's tiles are compiled in where the CPU has them (attention.FLAGS), and AMX
+    is taken only where it is built in (and Linux grants its tile state): a build that silently lost them would
+    pass the products' tests on the fallbacks and be slower."""
+    loaded, why = attention.load()
+    if loaded is None:
+        pytest.skip(f"no decode kernel here: {why}")
+    flags = attention._cpu_flags()
+    assert ("-mavx512vnni" in attention.FLAGS) == ("avx512_vnni" in flags)
+    assert loaded.amx_built == ({"amx_tile", "amx_bf16"} <= flags) and loaded.amx <= loaded.amx_built
+
+
+@pytest.mark.parametrize("rows", [3, 40, 200])
 def test_a_quantized_layer_is_dequantize_then_multiply_at_few_rows_and_many(kernel, rows):
-    """The engine's product (decoder._Linear, quantized): the kernel's below LIBRARY_ROWS, above it the library's
-    product on chunks of dequantized rows (2600 rows: two chunks and a part); within bf16's output
-    rounding of the reference either way, and no plain weight kept."""
+    """The engine's product (decoder._Linear, quantized): the kernel's below LIBRARY_ROWS (and up to AMX_ROWS where
+    the CPU has AMX), above it the library's product on chunks of dequantized rows (2600 rows: two chunks and a
+    part); within bf16's output rounding of the reference either way, and no plain weight kept."""
     torch.manual_seed(1)
     w, bias = torch.randn(2600, 64).bfloat16(), torch.randn(2600).bfloat16()
     layer = fused._Linear(w, bias, None, kernel)

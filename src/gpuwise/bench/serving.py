@@ -190,13 +190,16 @@ def server_plan(url: str) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
-def bench_serve(model: str, engine: str, dtype: str | None, host: str, progress=lambda msg: None) -> dict[str, Any]:
-    """Start the server, measure, fit: what `gpuwise bench --serve` records."""
+def bench_serve(
+    model: str, engine: str, dtype: str | None, host: str, progress=lambda msg: None, weights: str | None = None
+) -> dict[str, Any]:
+    """Start the server, measure, fit: what `gpuwise bench --serve` records (with the weights the server held)."""
     with tempfile.TemporaryDirectory(prefix="gpuwise-bench-serve-") as tmp:
         log = Path(tmp) / "serve.log"
         progress(f"starting gpuwise serve {model} --engine {engine}")
         # a measurement, not a session of the endpoint: nothing for `gpuwise runs` but the bench's own record
-        proc, url, served = start_server(model, engine, dtype, log, ("--no-record",))
+        extra = ("--no-record", *(("--weights", weights) if weights else ()))
+        proc, url, served = start_server(model, engine, dtype, log, extra)
         try:
             plan = server_plan(url)
             points = asyncio.run(measure(url, served, progress))
@@ -212,6 +215,7 @@ def bench_serve(model: str, engine: str, dtype: str | None, host: str, progress=
         "model": model,
         "engine": engine,
         "dtype": dtype or "auto",
+        "weights": plan.get("weights") or weights or dtype or "auto",
         "host": host,
         "context": CONTEXT,
         "fit": f,

@@ -104,6 +104,14 @@ def bench(
             help="With --serve: the served dtype (gpuwise serve --dtype).", rich_help_panel="Serving (--serve)"
         ),
     ] = None,
+    weights: Annotated[
+        str | None,
+        typer.Option(
+            help="With --serve on gpuwise's engine: the weights it holds (gpuwise serve --weights: auto, bf16, int8, "
+            "int4); the plan reads a measurement for the weights a server holds.",
+            rich_help_panel="Serving (--serve)",
+        ),
+    ] = None,
     catalog: CatalogOpt = None,
     as_json: JsonOpt = False,
 ):
@@ -114,9 +122,9 @@ def bench(
     fitted to the step `gpuwise plan --task serve` simulates, and recorded for it.
     """
     if serve is not None:
-        return _serve(serve, engine, dtype, quick, workload, as_json)
-    if engine != "gpuwise" or dtype is not None:
-        raise GpuwiseError("--engine and --dtype apply to --serve MODEL")
+        return _serve(serve, engine, dtype, quick, workload, as_json, weights)
+    if engine != "gpuwise" or dtype is not None or weights is not None:
+        raise GpuwiseError("--engine, --dtype and --weights apply to --serve MODEL")
     # here, not at the top: `gpuwise --help` and the other commands start without it
     from gpuwise.bench.chart import draw
     from gpuwise.bench.run import parse_devices, run_bench
@@ -181,10 +189,16 @@ def bench(
         console.print(f"wrote {result.files.json_path} and {result.files.png}")
 
 
-def _serve(model: str, engine: str, dtype: str | None, quick: bool, workload, as_json: bool) -> None:
+def _serve(
+    model: str, engine: str, dtype: str | None, quick: bool, workload, as_json: bool, weights: str | None = None
+) -> None:
     """`gpuwise bench --serve MODEL`: bench/serving.py, recorded and printed."""
     if engine not in ("gpuwise", "vllm", "llama.cpp"):
         raise GpuwiseError(f"--engine {engine}: must be one of gpuwise, vllm, llama.cpp")
+    if weights is not None and weights not in ("auto", "bf16", "int8", "int4"):
+        raise GpuwiseError(f"--weights {weights}: choose auto, bf16, int8, int4")
+    if weights is not None and engine != "gpuwise":
+        raise GpuwiseError(f"--weights is gpuwise's engine's; {engine} serves the weights it is given")
     if quick or workload:
         raise GpuwiseError("--quick and --workload apply to the device bench, not to --serve")
     if not model.strip():
@@ -196,7 +210,7 @@ def _serve(model: str, engine: str, dtype: str | None, quick: bool, workload, as
 
     status = Console(stderr=True)
     with status.status("measuring the serving engine") as spinner:
-        data = bench_serve(model, engine, dtype, detect_cpu().model, lambda msg: spinner.update(msg))
+        data = bench_serve(model, engine, dtype, detect_cpu().model, lambda msg: spinner.update(msg), weights)
     data["record_id"] = rundb.try_record("bench-serve", "cpu", model, data)
     if as_json:
         emit(data)

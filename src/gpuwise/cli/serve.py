@@ -131,8 +131,9 @@ WEIGHTS = ("auto", "bf16", "int8", "int4")
 WeightsOpt = Annotated[
     str,
     typer.Option(
-        help="Language models on gpuwise's engine: the weights it holds. auto: a quantized GGUF's own blocks where "
-        "they are Q8_0 or Q4_1 (the named bases ship Q4_1), else as --dtype; bf16; int8 (llama.cpp's "
+        help="Language models on gpuwise's engine: the weights it holds. auto: for a quantized GGUF on a CPU (the "
+        "named bases ship Q4_1), its own Q8_0/Q4_1 blocks or bf16, whichever was measured faster at --max-seqs "
+        "streams; else as --dtype; bf16; int8 (llama.cpp's "
         "Q8_0 blocks, 8.5 bits a weight) or int4 (Q4_1 layers, 5 bits, the output layer Q8_0), quantized at load "
         "from the model's weights and read by the CPU kernels as they are stored (docs/serving.md, \"Fewer bytes per "
         "token\")."

@@ -521,6 +521,12 @@ def measured_replica(model: ModelSpec, acc: Accelerator, fit: dict[str, Any]) ->
         solo_chunk_s=lim.get("solo_chunk_s", 0.0),
     )
     source = (
-        f"measured by gpuwise bench --serve on {fit['host']} ({fit['engine']}, {fit['dtype']}, record #{fit['id']})"
+        f"measured by gpuwise bench --serve on {fit['host']} ({fit['engine']}, {_held(fit)}, record #{fit['id']})"
     )
     return Replica(acc, 1, step, limits, fit["engine"], 0.0, 0.0, source, request_s=f["request_s"])
+
+
+def _held(fit: dict[str, Any]) -> str:
+    """What a measured server computed in and held: its --dtype, and its weights where they differ."""
+    weights = fit.get("weights")
+    return fit["dtype"] if not weights or weights == fit["dtype"] else f"{fit['dtype']}, weights {weights}"

@@ -32,12 +32,13 @@ STARTUP_REQUESTS = 200
 
 
 def serve_fits(model: str, host: str, path: Path | None = None) -> list[dict[str, Any]]:
-    """The newest `gpuwise bench --serve` record of `model` on `host` for each engine, with its record id."""
-    newest: dict[str, dict[str, Any]] = {}
+    """The newest `gpuwise bench --serve` record of `model` on `host` for each engine and the weights it held, with
+    its record id."""
+    newest: dict[tuple[str, str], dict[str, Any]] = {}
     for row in db.rows("bench-serve", path):
         d = row["data"]
         if d.get("model") == model and d.get("host") == host and isinstance(d.get("fit"), dict):
-            newest[str(d.get("engine"))] = d | {"id": row["id"]}
+            newest[str(d.get("engine")), str(d.get("weights", ""))] = d | {"id": row["id"]}
     return list(newest.values())
 
 
@@ -86,8 +87,9 @@ def serving_plan(
 def endpoint_replica(
     model: str, engine: str, device: str, precision: str, catalog: Catalog, weights: str = "bf16"
 ) -> tuple[Replica | None, str]:
-    """The replica a server of `model` on `engine` and `device` is planned as, or None and why not. `weights`
-    int8 / int4 (`serve --weights`): not planned on a CPU, where the step times are measured in bf16 only."""
+    """The replica a server of `model` on `engine` and `device` is planned as, or None and why not. On a CPU, from
+    the last `gpuwise bench --serve` of that engine here with the same `weights` (`serve --weights`; a record
+    that does not say its weights is taken for any)."""
     try:
         spec = resolve_model(model)
     except GpuwiseError as e:
@@ -99,11 +101,11 @@ def endpoint_replica(
 
     acc, _ = here(catalog)
     if device == "cpu":
-        if weights in ("int8", "int4"):
-            return None, f"not planned: `gpuwise bench --serve` measures bf16 steps, not --weights {weights}"
         fits = [f for f in measured_here(model, spec) if f.get("engine") == engine]
+        fits = [f for f in fits if f.get("weights", weights) in (weights, "auto")]
         if not fits:
-            return None, f"not measured here: `gpuwise bench --serve {model} --engine {engine}` measures it"
+            flag = f" --weights {weights}" if weights in ("int8", "int4") else ""
+            return None, f"not measured here: `gpuwise bench --serve {model} --engine {engine}{flag}` measures it"
         try:
             return measured_replica(spec, acc, fits[-1]), ""
         except (KeyError, TypeError) as e:  # a hand-edited record

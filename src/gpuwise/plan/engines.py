@@ -19,11 +19,11 @@ ENGINES = ("auto", "gpuwise", "vllm", "llama.cpp")
 # docs/serving.md "Fewer bytes per token": the host, the date, the table).
 CPU_TOK_S_SOURCE = "benchmarks/llm_serve_load.py, 2-core Xeon with AMX, 2026-12-06"
 CPU_TOK_S: dict[str, tuple[float, float, float]] = {
-    "gpuwise bf16": (74.5, 143.8, 378.6),
-    "gpuwise int8": (96.3, 142.0, 235.6),
-    "gpuwise int4": (120.2, 136.3, 235.1),
-    "llama.cpp q8_0": (86.9, 171.1, 183.7),
-    "llama.cpp q4_1": (92.1, 145.2, 131.2),
+    "gpuwise bf16": (104.7, 192.7, 544.8),
+    "gpuwise int8": (166.2, 212.3, 428.9),
+    "gpuwise int4": (181.9, 203.2, 540.5),
+    "llama.cpp q8_0": (116.3, 229.4, 239.4),
+    "llama.cpp q4_1": (133.8, 180.3, 171.1),
 }
 STREAM_LEVELS = (1, 8, 32)
 # speeds within this of the fastest count as the same (a run's servers differ by less than this from round to
@@ -101,7 +101,9 @@ def auto_engine(
     theirs_type = gguf_type if f"llama.cpp {gguf_type}" in CPU_TOK_S else _nearest_measured(gguf_type)
     # the ways to serve it, each with its measured tok/s at that level, in the order preferred at the same speed:
     # gpuwise's engine on the file's own blocks (the least memory), on them dequantized to bf16, llama.cpp
-    ways = [("gpuwise", w, CPU_TOK_S[f"gpuwise {w}"][at]) for w in (GGUF_WEIGHTS.get(gguf_type), "bf16") if w]
+    ways: list[tuple[str, str | None, float]] = [
+        ("gpuwise", w, CPU_TOK_S[f"gpuwise {w}"][at]) for w in (GGUF_WEIGHTS.get(gguf_type), "bf16") if w
+    ]
     if llama_cpp_found:
         ways.append(("llama.cpp", None, CPU_TOK_S[f"llama.cpp {theirs_type}"][at]))
     best = max(speed for _, _, speed in ways)

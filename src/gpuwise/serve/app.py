@@ -334,7 +334,8 @@ def create_app(served, settings: Settings, run_id: str, precision: str, on_stop=
             limits=asdict(limits),
             steps=trained.steps if trained else None,
             eval=trained.eval if trained else {},
-            serving=asdict(served.backends[0].serving) | {"goodput": served.startup, "engine": served.engine_line}
+            serving=asdict(served.backends[0].serving)
+            | {"goodput": served.startup, "engine": served.engine_line, "weights": _weights(served)}
             if hasattr(served, "backends")
             else None,
         )
@@ -491,3 +492,10 @@ def run_server(config, announce: Path | None = None, base_path: str = "") -> Non
             await super().shutdown(sockets)
 
     Server(config).run()
+
+
+def _weights(served) -> str:
+    """The weights an LLM server's engine holds (gpuwise's: bf16, int8, int4, fp32...; another engine's: its
+    precision), as `gpuwise bench --serve` records them beside its measurement."""
+    backend = served.backends[0]
+    return str(getattr(backend, "weights", None) or getattr(backend, "precision", "") or served.precision)

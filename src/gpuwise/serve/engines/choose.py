@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gpuwise.errors import GpuwiseError
 from gpuwise.hardware.devices import serving_device
-from gpuwise.plan.engines import ENGINES, GGUF_WEIGHTS, auto_engine, quantized_gguf
+from gpuwise.plan.engines import ENGINES, auto_engine, quantized_gguf
 from gpuwise.serve.engines.llamacpp import DTYPES as LLAMA_CPP_DTYPES
 from gpuwise.serve.engines.llamacpp import find_llama_server, llama_server_version
 from gpuwise.serve.engines.vllm import find_vllm
@@ -49,8 +49,10 @@ def choose_engine(
         raise GpuwiseError(f"--dtype {dtype}: choose auto, fp32, bf16, fp16 or q8_0 (llama.cpp)")
     chosen = _choose(engine, refs, streams, dtype, vllm_python, llama_server)
     if chosen.engine == "gpuwise" and chosen.weights is None and dtype == "auto" and len(refs) == 1:
-        # --weights auto on gpuwise's engine: a quantized GGUF's own blocks, where the kernels read its type
-        chosen = replace(chosen, weights=GGUF_WEIGHTS.get(quantized_gguf(refs[0][1]) or ""))
+        # --engine gpuwise on a quantized GGUF: its weights as `auto` measures them between gpuwise's two ways
+        gguf = quantized_gguf(refs[0][1])
+        if gguf is not None and serving_device() == "cpu":
+            chosen = replace(chosen, weights=auto_engine("cpu", False, False, gguf, streams).weights)
     if dtype not in (LLAMA_CPP_DTYPES if chosen.engine == "llama.cpp" else DTYPES[:4]):
         raise GpuwiseError(
             f"--dtype {dtype} is llama.cpp's (--engine llama.cpp); {chosen.engine} serves fp32, bf16, fp16"

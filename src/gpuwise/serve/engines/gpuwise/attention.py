@@ -57,6 +57,8 @@ def _cpu_flags() -> set[str]:
 
 if "avx512_vnni" in _cpu_flags():  # int8 dot products in one instruction (the kernel has a two-step fallback)
     FLAGS.append("-mavx512vnni")
+if {"amx_tile", "amx_bf16"} <= _cpu_flags():  # many rows by quantized weights on AMX's tiles (else the library's)
+    FLAGS += ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 GEMV_ROWS = 8  # kernels/decode_attention.cpp kMaxRows: the whole-step kernel's rows at most
 # A product alone (a step the whole-step kernel does not take: LoRA rows) goes to the product kernel up to this
@@ -91,6 +93,11 @@ class DecodeAttention:
         pointers: list[type] = [ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, f32, ptr, ptr]
         self.step_fn.argtypes = [*formats, *pointers, *[i64] * 10, c_int]  # the last: the step's threads
         self.step_fn.restype = ctypes.c_int
+        caps = lib.gpuwise_caps
+        caps.restype = ctypes.c_int
+        # products of many rows by quantized weights on AMX's tiles (kernels/decode_attention.cpp, amx_gemv): built
+        # in, and granted by Linux (a kernel before 5.16, or a sandbox that refuses arch_prctl, does not)
+        self.amx_built, self.amx = bool(caps() & 4), bool(caps() & 2)
 
     def supports(self, dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in DTYPES and head_dim % 16 == 0 and head_dim <= 256

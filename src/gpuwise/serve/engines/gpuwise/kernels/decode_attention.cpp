@@ -15,6 +15,11 @@
 
 #include <omp.h>
 #include <sched.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define GPUWISE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -646,8 +651,180 @@ void wide_blocks(const float* xf, const W& w, const T* bias, T* out, int64_t M, 
   }
 }
 
+// 16 values stored as T: fp32 as they are; bf16 rounded to nearest even, as c10::BFloat16 rounds a finite float
+inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
+
+inline void store16(c10::BFloat16* o, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+#ifdef GPUWISE_AMX
+// Products of many rows (a prompt's, many streams') by a weight in a block format, in bf16, on AMX's tiles: each
+// task dequantizes 32 weight rows (rounded to bf16 as `dequantize` rounds them: the library's product on
+// dequantized chunks, without the library's copy of them into its own layout) into AMX's B layout, then multiplies
+// every group of 16 input rows by them, 32 values of a row a tile product (tdpbf16ps, fp32 sums). The input rows
+// are the A operand as they are stored.
+constexpr int64_t kAmxRows = kMaxRows + 1;  // from here (1-2x the int8 products' speed at 9-12 rows, 2-2.5x at 16-32)
+constexpr int64_t kAmxCols = 32;  // weight rows a task: two tiles of 16
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline bool amx_usable() {
+  // Linux gives a process AMX's tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+// r[0..15] (16 x 16 32-bit lanes) transposed in place: r[i] lane j becomes r[j] lane i
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// x [M, I] as AMX's B operand, once a product: per block of 32 values and group of 16 rows a 16 x 16 tile of pairs
+// of values, t[r][m] = (x[m][2r], x[m][2r + 1]); rows past M are zeros
+inline void x_tiles(const c10::BFloat16* x, int64_t M, int64_t I, uint32_t* t) {
+  const int64_t groups = (M + 15) / 16, nb = I / 32;
+  std::memset(t, 0, nb * groups * 1024);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t kb = 0; kb < nb; ++kb) {
+      uint32_t* tile = t + (kb * groups + m / 16) * 256 + m % 16;
+      for (int64_t r = 0; r < 16; ++r) std::memcpy(tile + r * 16, x + m * I + kb * 32 + 2 * r, 4);
+    }
+}
+
+template <typename W>
+void amx_blocks(const uint32_t* xt, const W& w, const c10::BFloat16* bias, c10::BFloat16* out, int64_t M, int64_t O,
+                int64_t I, int64_t begin, int64_t end) {
+  const int64_t nb = I / 32, groups = (M + 15) / 16;
+  // the A operand: per block of 32 values and tile of 16 weight rows, the rows' 32 values (1 KB, contiguous),
+  // each rounded to bf16 as store16 rounds (AVX512-BF16's conversion: to nearest even)
+  std::vector<c10::BFloat16> a(nb * 2 * 16 * 32);
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+  alignas(64) float c[256];
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t o0 = task * kAmxCols, cols = std::min(kAmxCols, O - o0);
+    if (task + 1 < end) {  // the next task's rows (contiguous) asked for now, for the same reason as kAhead
+      const char* next = static_cast<const char*>(w.at(o0 + kAmxCols, 0));
+      const int64_t bytes = std::min(kAmxCols, O - o0 - kAmxCols) * w.so;
+      for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
+    }
+    for (int64_t row = 0; row < kAmxCols; ++row)  // a row at a time: its blocks in the order they are stored
+      for (int64_t kb = 0; kb < nb; ++kb) {
+        __m512i v = _mm512_setzero_si512();
+        if (row < cols) {  // the block's values as `load` gives them: q d (+ m), one fp32 rounding
+          __m512 lo, hi;
+          float d, m;
+          w.decode(o0 + row, kb, lo, hi, d, m);
+          const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+          v = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, dv, mv), _mm512_fmadd_ps(lo, dv, mv)));
+        }
+        _mm512_storeu_si512(a.data() + ((kb * 2 + row / 16) * 16 + row % 16) * 32, v);
+      }
+    for (int64_t g = 0; g < groups; g += 2) {  // two groups of 16 input rows a pass: four result tiles
+      const bool two = g + 1 < groups;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < nb; ++kb) {
+        _tile_loadd(4, a.data() + kb * 2 * 512, 64);  // weight rows 0-15
+        _tile_loadd(5, a.data() + (kb * 2 + 1) * 512, 64);  // weight rows 16-31
+        _tile_loadd(6, xt + (kb * groups + g) * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (two) {
+          _tile_loadd(7, xt + (kb * groups + g + 1) * 256, 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      for (int t = 0; t < (two ? 4 : 2); ++t) {  // result t: weight rows (t % 2) * 16 ..., input group g + t / 2
+        const int64_t half = t % 2, first = (g + t / 2) * 16, n = std::min<int64_t>(16, M - first);
+        if (half * 16 >= cols) continue;
+        switch (t) {  // the tile's number is part of the instruction
+          case 0: _tile_stored(0, c, 64); break;
+          case 1: _tile_stored(1, c, 64); break;
+          case 2: _tile_stored(2, c, 64); break;
+          default: _tile_stored(3, c, 64); break;
+        }
+        __m512i r[16];  // c[weight row][input row] turned to [input row][weight row]: a row of the output
+        for (int k = 0; k < 16; ++k) r[k] = _mm512_load_si512(c + k * 16);
+        transpose16(r);
+        const int64_t count = std::min<int64_t>(16, cols - half * 16);
+        const __mmask16 keep = static_cast<__mmask16>((1u << count) - 1);
+        const __m512 bv = bias ? load_tail(bias + o0 + half * 16, count) : _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) {
+          alignas(64) c10::BFloat16 row[16];
+          store16(row, _mm512_add_ps(_mm512_castsi512_ps(r[j]), bv));
+          _mm256_mask_storeu_epi16(out + (first + j) * O + o0 + half * 16, keep,
+                                   _mm256_load_si256(reinterpret_cast<const __m256i*>(row)));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// the product on AMX where it takes it (bf16, a block format, kAmxRows rows or more, the tiles granted): whether
+// it did
+template <typename T>
+bool amx_gemv(int fmt, const T* x, const void* w, const T* bias, T* out, int64_t M, int64_t O, int64_t I) {
+  if constexpr (!std::is_same<T, c10::BFloat16>::value) {
+    return false;
+  } else {
+    if (fmt == kPlain || M < kAmxRows || !amx_usable()) return false;
+    std::vector<uint32_t> xt((I / 32) * ((M + 15) / 16) * 256);
+    x_tiles(x, M, I, xt.data());
+    with_weight<T>(fmt, w, I, I, [&](auto wv) {
+      using W = decltype(wv);
+      if constexpr (W::kBlocks) {
+        at::parallel_for(0, (O + kAmxCols - 1) / kAmxCols, 1, [&](int64_t begin, int64_t end) {
+          amx_blocks(xt.data(), wv, bias, out, M, O, I, begin, end);
+        });
+      }
+    });
+    return true;
+  }
+}
+#else
+template <typename T>
+bool amx_gemv(int, const T*, const void*, const T*, T*, int64_t, int64_t, int64_t) {
+  return false;
+}
+inline bool amx_usable() { return false; }
+#endif
+
 template <typename T>
 void gemv(int fmt, const T* x, const void* w, const T* bias, T* out, int64_t M, int64_t O, int64_t I, int64_t w_so) {
+  if (amx_gemv(fmt, x, w, bias, out, M, O, I)) return;
   std::vector<float> xf(M * I);
   for (int64_t j = 0; j < M * I; ++j) xf[j] = static_cast<float>(x[j]);
   ActBuffers buffers;
@@ -872,16 +1049,6 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
   }
 }
 
-// 16 values stored as T: fp32 as they are; bf16 rounded to nearest even, as c10::BFloat16 rounds a finite float
-inline void store16(float* o, __m512 v) { _mm512_storeu_ps(o, v); }
-
-inline void store16(c10::BFloat16* o, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
 }  // namespace
 
 extern "C" {
@@ -903,6 +1070,22 @@ int gpuwise_decode_attention(int dtype, const void* q, const void* k, const void
     return 1;
   }
   return 0;
+}
+
+// What this build does on this CPU: 1 int8 dot products in one instruction (AVX512-VNNI), 2 AMX's bf16 tiles
+// (granted by Linux), 4 AMX compiled in.
+int gpuwise_caps() {
+#ifdef __AVX512VNNI__
+  const int vnni = 1;
+#else
+  const int vnni = 0;
+#endif
+#ifdef GPUWISE_AMX
+  const int built = 4;
+#else
+  const int built = 0;
+#endif
+  return vnni | (amx_usable() ? 2 : 0) | built;
 }
 
 // dtype: 0 float32, 1 bfloat16 (x, bias, out); fmt: the weight's format (kPlain: dtype's, row stride w_so; or
