@@ -8,6 +8,12 @@ kernel, and with those ops' products by oneDNN instead of the product kernel: th
 before issue #37), and transformers' `generate` at the same batch.
 
 Run: .venv/bin/python benchmarks/engine_step.py [--batches 1,8,32] [--rounds 3] [--steps 16] [--lora 8]
+     [--weights int8,int4]
+
+--weights: the fused bf16 step also on int8 and int4 weights (`gpuwise serve --weights`), speed-up over bf16's.
+Read them under OMP_WAIT_POLICY=PASSIVE, as `gpuwise serve` runs: with OpenMP's default, the `generate` variants
+leave its threads spinning into the next variant's step, and the short quantized steps pay most (int8 / bf16 at
+one row read 1.07x so, 1.42x under PASSIVE, on the 2-core Xeon).
 
 --lora R: every model gets a LoRA adapter of rank R on every linear layer (as a `product-lm` run), every row
 runs it: the fused decoder's row-by-row LoRA against peft's.
@@ -70,6 +76,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--lora", type=int, default=0, help="every row through a LoRA adapter of this rank (all linears)")
+    ap.add_argument("--weights", default="int8,int4", help="quantized variants of the fused bf16 step ('' for none)")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -91,11 +98,11 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
 
     def engine(model, fuse: bool = False, pack: bool = True, kernel: bool = True, step: bool = True,
-               gemv: bool = True) -> Engine:  # fmt: skip
+               gemv: bool = True, weights: str = "bf16") -> Engine:  # fmt: skip
         decoder = None
         if fuse:  # as `gpuwise serve` builds it: checked against transformers' at load
             model = copy.deepcopy(model)
-            decoder, note = fused_decoder(model, pack=packing("cpu", model.dtype) if pack else None)
+            decoder, note = fused_decoder(model, pack=packing("cpu", model.dtype) if pack else None, weights=weights)
             if decoder is None:
                 raise SystemExit(f"the fused decoder is not used for this model: {note}")
             if not kernel:  # the decode steps' attention by SDPA, as before serve/engines/gpuwise/attention.py
@@ -137,6 +144,8 @@ def main() -> None:
     variants |= {"bf16 fused SDPA": engine(bf16, fuse=True, kernel=False)}
     variants |= {"bf16 fused Python step": engine(bf16, fuse=True, step=False)}
     variants |= {"bf16 fused oneDNN products": engine(bf16, fuse=True, step=False, gemv=False)}
+    if args.weights and not args.lora:  # `gpuwise serve --weights int8|int4`: the same step on quantized weights
+        variants |= {f"bf16 fused {w}": engine(bf16, fuse=True, weights=w) for w in args.weights.split(",")}
     generate = {"fp32 generate": fp32, "bf16 generate": bf16}
     names = list(variants) + list(generate)
     steps: dict[tuple[str, int], list[float]] = {(v, b): [] for v in names for b in batches}
@@ -178,6 +187,9 @@ def main() -> None:
             f" bf16 fused, whole-step kernel / Python step = {step_gain:.2f}x;"
             f" bf16 Python step, product kernel / oneDNN products = {gemv_gain:.2f}x"
         )
+        for w in [n.removeprefix("bf16 fused ") for n in med if n.startswith("bf16 fused int")]:
+            gain = med["bf16 fused"] / med[f"bf16 fused {w}"]
+            print(f"batch {b}: bf16 fused, {w} weights / bf16 weights = {gain:.2f}x")
 
 
 if __name__ == "__main__":
