@@ -105,11 +105,9 @@ def unsupported(model) -> str | None:
 
 
 # Quantized products of this many rows or more go to the library a chunk of weight rows at a time (`_qlinear`);
-# below, the kernel's own (int8 activations in bf16): against the kernel's int8 products the library ran 0.4-0.5x
-# as fast at 8 rows, 0.7-1.1x at 12-16, 1.6-1.8x at 32, 2.7-3.0x at 64. In bf16 where the CPU has AMX, the
-# kernel's up to AMX_ROWS rows too (from 9 rows, on AMX's tiles): the library ran 0.4-0.55x as fast at 16-32
-# rows, 0.65-0.7x at 64-96, 0.8-0.95x at 128, 1.0x at 192, 1.35-1.6x at 512. (A layer's four products of
-# SmolLM2-135M in Q8_0 and Q4_1, 2-core Xeon with AMX; docs/serving.md, "Fewer bytes per token".)
+# below, the kernel's own (int8 activations in bf16). In bf16 where the CPU has AMX, the kernel's up to AMX_ROWS
+# rows too (from 9 rows, on AMX's tiles), where it outran the library; beyond, the library's blocking wins. The
+# crossovers, measured: docs/serving.md, "Fewer bytes per token".
 LIBRARY_ROWS = 16
 AMX_ROWS = 128
 CHUNK_ROWS = 1024  # 1024 x 576 bf16 weights: 1.2 MB, in the L2 cache

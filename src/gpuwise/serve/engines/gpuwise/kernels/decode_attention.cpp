@@ -667,7 +667,7 @@ inline void store16(c10::BFloat16* o, __m512 v) {
 // dequantized chunks, without the library's copy of them into its own layout) into AMX's B layout, then multiplies
 // every group of 16 input rows by them, 32 values of a row a tile product (tdpbf16ps, fp32 sums). The input rows
 // are the A operand as they are stored.
-constexpr int64_t kAmxRows = kMaxRows + 1;  // from here (1-2x the int8 products' speed at 9-12 rows, 2-2.5x at 16-32)
+constexpr int64_t kAmxRows = kMaxRows + 1;  // from here on ahead of the int8 products (docs/serving.md)
 constexpr int64_t kAmxCols = 32;  // weight rows a task: two tiles of 16
 
 struct alignas(64) TileConfig {
