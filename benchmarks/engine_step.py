@@ -10,7 +10,8 @@ before issue #37), and transformers' `generate` at the same batch.
 Run: .venv/bin/python benchmarks/engine_step.py [--batches 1,8,32] [--rounds 3] [--steps 16] [--lora 8]
      [--weights int8,int4]
 
---weights: the fused bf16 step also on int8 and int4 weights (`gpuwise serve --weights`), speed-up over bf16's.
+--weights: the fused bf16 step also on int8 and int4 weights (`gpuwise serve --weights`), speed-up over bf16's;
+with int8, also on its Q8_0 blocks as a GGUF ships them rather than four rows at a time (quant.interleave).
 Read them under OMP_WAIT_POLICY=PASSIVE, as `gpuwise serve` runs: with OpenMP's default, the `generate` variants
 leave its threads spinning into the next variant's step, and the short quantized steps pay most (int8 / bf16 at
 one row read 1.07x so, 1.42x under PASSIVE, on the 2-core Xeon).
@@ -98,7 +99,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
 
     def engine(model, fuse: bool = False, pack: bool = True, kernel: bool = True, step: bool = True,
-               gemv: bool = True, weights: str = "bf16") -> Engine:  # fmt: skip
+               gemv: bool = True, weights: str = "bf16", interleaved: bool = True) -> Engine:  # fmt: skip
         decoder = None
         if fuse:  # as `gpuwise serve` builds it: checked against transformers' at load
             model = copy.deepcopy(model)
@@ -113,6 +114,13 @@ def main() -> None:
                 for x in [y for layer in decoder.layers for y in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
                     x.kernel = None
                 decoder.head.kernel = None
+            if not interleaved:  # Q8_0 read as it ships, not four rows at a time (quant.interleave)
+                for x in [*decoder.linears(), decoder.head]:
+                    if x.quant is not None and x.quant.fmt.interleaved:
+                        x.quant = x.quant.take(slice(None))
+                if decoder.embed_q is not None:
+                    decoder.embed_q = decoder.head.quant
+                decoder.step = decoder._step_pointers()
         kw = {"max_seqs": max(batches), "kv_budget_tokens": 1 << 20, "max_queue": 1, "context": 2048}
         e = Engine(model, tok, decoder=decoder, **kw)
         e.close()  # its thread stops; the benchmark drives the steps itself
@@ -146,6 +154,8 @@ def main() -> None:
     variants |= {"bf16 fused oneDNN products": engine(bf16, fuse=True, step=False, gemv=False)}
     if args.weights and not args.lora:  # `gpuwise serve --weights int8|int4`: the same step on quantized weights
         variants |= {f"bf16 fused {w}": engine(bf16, fuse=True, weights=w) for w in args.weights.split(",")}
+        if "int8" in args.weights.split(","):
+            variants |= {"bf16 fused int8 as shipped": engine(bf16, fuse=True, weights="int8", interleaved=False)}
     generate = {"fp32 generate": fp32, "bf16 generate": bf16}
     names = list(variants) + list(generate)
     steps: dict[tuple[str, int], list[float]] = {(v, b): [] for v in names for b in batches}
@@ -190,6 +200,9 @@ def main() -> None:
         for w in [n.removeprefix("bf16 fused ") for n in med if n.startswith("bf16 fused int")]:
             gain = med["bf16 fused"] / med[f"bf16 fused {w}"]
             print(f"batch {b}: bf16 fused, {w} weights / bf16 weights = {gain:.2f}x")
+        if "bf16 fused int8 as shipped" in med:
+            gain = med["bf16 fused int8 as shipped"] / med["bf16 fused int8"]
+            print(f"batch {b}: bf16 fused int8, Q8_0 interleaved / as shipped = {gain:.2f}x")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from test_decoder import prefill_then_step, tiny
 
 from gpuwise.serve.engines.gpuwise import attention
 from gpuwise.serve.engines.gpuwise import decoder as fused
-from gpuwise.serve.engines.gpuwise.quant import FORMATS, WEIGHTS, dequantize, quantize
+from gpuwise.serve.engines.gpuwise.quant import FORMATS, INTERLEAVED, WEIGHTS, dequantize, interleave, quantize
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,36 @@ def test_the_quantized_product_is_dequantize_then_multiply(kernel, fmt, rows, dt
     assert off <= {torch.float32: 1e-5, torch.bfloat16: 8e-3}[dtype], off
     # [..., I] inputs keep their leading dimensions, as F.linear's
     assert kernel.qgemv(x.view(1, rows, 608), q).shape == (1, rows, 200)
+
+
+@pytest.mark.parametrize("fmt", sorted(INTERLEAVED))
+def test_four_rows_interleaved_are_the_same_bytes_and_the_same_products(kernel, fmt):
+    """quant.interleave lays Q8_0 and Q4_1 out four rows at a time: the same bytes, the same rows back (`take`,
+    `dequantize`), and the kernels' products of it are the products of the blocks as they ship. For Q8_0 they are
+    bitwise, at every size (the same integer sums, scaled and added in the same order); for Q4_1 in fp32 too, and
+    in bf16 its 1-8 row products add the same terms in another order: within bf16's output rounding (2^-8 of the
+    largest output). A shape that is not whole groups of whole pairs is left as it ships."""
+    torch.manual_seed(3)
+    w, bias = torch.randn(200, 640), torch.randn(200)
+    q = quantize(w, fmt)
+    x4 = interleave(q)
+    assert x4.fmt == INTERLEAVED[fmt] and x4.fmt.interleaved and x4.nbytes == q.nbytes
+    assert not torch.equal(x4.data.reshape(-1), q.data.reshape(-1))  # laid out anew, not a copy
+    assert torch.equal(x4.take(slice(None)).data, q.data) and torch.equal(dequantize(x4), dequantize(q))
+    ids = torch.tensor([199, 0, 5, 5, 102])
+    assert torch.equal(x4.take(ids).data, q.data[ids])
+    assert torch.equal(kernel.dequantize(x4, slice(6, 43), torch.float32), dequantize(q)[6:43])
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 3, 8, 64):
+            x = torch.randn(rows, 640).to(dtype)
+            ours, shipped = kernel.qgemv(x, x4, bias.to(dtype)), kernel.qgemv(x, q, bias.to(dtype))
+            if fmt == "Q8_0" or dtype == torch.float32:
+                assert torch.equal(ours, shipped), (dtype, rows)
+            else:
+                off = float((ours.float() - shipped.float()).abs().max() / shipped.float().abs().max())
+                assert off <= 2**-8, (rows, off)
+    for shape in ((202, 640), (200, 608)):  # rows not in fours; an odd block at the end of a row
+        assert not interleave(quantize(torch.randn(*shape), fmt)).fmt.interleaved
 
 
 def test_the_kernel_uses_what_this_cpu_has():
@@ -237,6 +267,11 @@ def test_the_kernel_takes_only_the_formats_it_knows(kernel):
     assert kernel.gemv_fn(0, 7, x.data_ptr(), w.ctypes.data, 0, out.data_ptr(), 1, 8, 64, 0) == 1
     assert kernel.gemv_fn(0, 8, x.data_ptr(), w.ctypes.data, 0, out.data_ptr(), 1, 8, 48, 0) == 1
     assert kernel.gemv_fn(0, 8, x.data_ptr(), w.ctypes.data, 0, out.data_ptr(), 1, 8, 64, 0) == 0
+    for fmt in INTERLEAVED.values():  # four rows at a time: whole groups (rows in fours) of whole pairs of blocks
+        args = (x.data_ptr(), w.ctypes.data, 0, out.data_ptr(), 1)
+        assert kernel.gemv_fn(0, fmt.kernel, *args, 8, 64, 0) == 0
+        assert kernel.gemv_fn(0, fmt.kernel, *args, 6, 64, 0) == 1
+        assert kernel.gemv_fn(0, fmt.kernel, *args[:-1], 1, 8, 32, 0) == 1
 
 
 @pytest.mark.parametrize(
@@ -257,10 +292,10 @@ def test_serve_weights_flags_are_checked_before_anything_loads(flags, message, c
 
 def test_the_named_bases_q4_1_file_loads_into_the_engine_as_it_ships(kernel):
     """SmolLM2-135M-Instruct ships as a Q4_1 GGUF (Q8_0 embedding): `--weights int4` takes its blocks as they are
-    (q and k rows put back in transformers' order), every product of them, and the tied embedding is the file's
-    Q8_0 table. What they hold is exactly the weights transformers dequantizes from the same file, so in fp32 the
-    engine's logits are transformers' fp32 forward's within the order of the sums (measured below 1e-5 of the
-    largest logit; allowed 1e-4)."""
+    (q and k rows put back in transformers' order, four rows laid out at a time), every product of them, and the
+    tied embedding is the file's Q8_0 table. What they hold is exactly the weights transformers dequantizes from
+    the same file, so in fp32 the engine's logits are transformers' fp32 forward's within the order of the sums
+    (measured below 1e-5 of the largest logit; allowed 1e-4)."""
     from transformers import AutoModelForCausalLM
 
     from gpuwise.plan.bases import named_base_path
@@ -277,7 +312,7 @@ def test_the_named_bases_q4_1_file_loads_into_the_engine_as_it_ships(kernel):
     decoder, note = fused.fused_decoder(model, None, "int4", gguf_blocks(named_base_path("smollm2-135m-instruct")))
     assert decoder is not None and "121 of 121 products as the GGUF ships them" in note, note
     assert torch.equal(dequantize(decoder.layers[0].qkv.quant), plain_qkv)
-    assert decoder.head.quant.fmt.name == "Q8_0" and decoder.embed_q is decoder.head.quant
+    assert decoder.head.quant.fmt == INTERLEAVED["Q8_0"] and decoder.embed_q is decoder.head.quant
     ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30, 2]])
     n = ids.shape[1]
     pos = torch.arange(n).unsqueeze(0)

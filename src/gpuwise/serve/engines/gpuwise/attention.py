@@ -204,7 +204,7 @@ class DecodeAttention:
             out = scratch.view(-1)[:size].view(shape)
         else:
             out = torch.empty(shape, dtype=dtype)
-        if self.dequantize_fn(DTYPES[dtype], weight.fmt.ggml_type, weight.data.data_ptr(), out.data_ptr(), r0,
+        if self.dequantize_fn(DTYPES[dtype], weight.fmt.kernel, weight.data.data_ptr(), out.data_ptr(), r0,
                               out.shape[0], weight.cols):  # fmt: skip
             raise ValueError(f"dequantize: the kernel does not take {weight.fmt.name} rows of {weight.cols}")
         return out
@@ -229,7 +229,7 @@ class DecodeAttention:
         out = torch.empty((*x.shape[:-1], outs), dtype=x.dtype)
         b = 0 if bias is None else bias.data_ptr()
         ptrs = (x.data_ptr(), weight.data.data_ptr(), b, out.data_ptr())
-        if self.gemv_fn(DTYPES[x.dtype], weight.fmt.ggml_type, *ptrs, rows, outs, width, 0):
+        if self.gemv_fn(DTYPES[x.dtype], weight.fmt.kernel, *ptrs, rows, outs, width, 0):
             raise ValueError(f"qgemv: the kernel does not take {rows} x {width} by {weight.fmt.name} {outs} x {width}")
         return out
 

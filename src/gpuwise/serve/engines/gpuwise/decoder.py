@@ -31,7 +31,7 @@ from gpuwise.serve.engines.gpuwise import attention
 from gpuwise.serve.engines.gpuwise.attention import GEMV_ROWS, GEMV_ROWS_ALONE
 from gpuwise.serve.engines.gpuwise.kvcache import PagedCache, additive_mask
 from gpuwise.serve.engines.gpuwise.packed import ONEDNN, Packed, PackedLinear
-from gpuwise.serve.engines.gpuwise.quant import WEIGHTS, QuantWeight, dequantize, quantize, unpermute
+from gpuwise.serve.engines.gpuwise.quant import WEIGHTS, QuantWeight, dequantize, interleave, quantize, unpermute
 
 log = logging.getLogger("gpuwise.serve")
 
@@ -156,12 +156,14 @@ class _Linear:
 
     def quantize(self, fmt: str, shipped: QuantWeight | None = None) -> bool:
         """Hold the weight in llama.cpp's `fmt` alone (the plain and any packed copy dropped): `shipped`, the
-        blocks a GGUF holds for it, where they are in `fmt` and its shape; else quantized now. Whether shipped."""
+        blocks a GGUF holds for it, where they are in `fmt` and its shape; else quantized now (Q8_0 then laid out
+        four rows at a time for the kernels where its shape allows: quant.interleave). Whether shipped."""
         if self.kernel is None or self.weight is None:
             raise NotQuantizable("quantized weights are read by gpuwise's CPU kernel, which this product lacks")
         rows, cols = self.weight.shape
         taken = shipped is not None and (shipped.fmt.name, shipped.rows, shipped.cols) == (fmt, rows, cols)
-        self.quant = shipped if taken else quantize(self.weight, fmt)
+        held = shipped if shipped is not None and taken else quantize(self.weight, fmt)
+        self.quant = interleave(held)
         self.weight = self.packed = None
         return taken
 
@@ -280,7 +282,7 @@ def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
 
 def _format(x: _Linear) -> int:
     """The kernels' weight format of a product: PLAIN, or its block format's ggml type."""
-    return attention.PLAIN if x.quant is None else x.quant.fmt.ggml_type
+    return attention.PLAIN if x.quant is None else x.quant.fmt.kernel
 
 
 def _held(x: _Linear) -> torch.Tensor:

@@ -22,20 +22,31 @@ BLOCK = 32  # values a block holds, along a row
 
 @dataclass(frozen=True)
 class Format:
-    """One of llama.cpp's block formats: its name, ggml's type id (what the kernels take), bytes per block."""
+    """One of llama.cpp's block formats: its name, ggml's type id, bytes per block; `interleaved`: its blocks laid
+    out four rows at a time for the kernels (`interleave`), the same bytes."""
 
     name: str
     ggml_type: int
     block_bytes: int
+    interleaved: bool = False
 
     @property
     def bits(self) -> float:
         """Bits per weight, scales included: 8.5 for Q8_0, 4.5 for Q4_0, 5 for Q4_1."""
         return self.block_bytes * 8 / BLOCK
 
+    @property
+    def kernel(self) -> int:
+        """The kernels' id of the format (kernels/decode_attention.cpp): ggml's type, 100 more interleaved."""
+        return self.ggml_type + 100 if self.interleaved else self.ggml_type
+
 
 FORMATS = {f.name: f for f in (Format("Q8_0", 8, 34), Format("Q4_0", 2, 18), Format("Q4_1", 3, 20))}
 BY_TYPE = {f.ggml_type: f for f in FORMATS.values()}
+# the formats `interleave` lays out four rows at a time, by the one they interleave, and their blocks' fp16 fields
+INTERLEAVED = {"Q8_0": Format("Q8_0x4", 8, 34, interleaved=True), "Q4_1": Format("Q4_1x4", 3, 20, interleaved=True)}
+FIELDS = {"Q8_0": 1, "Q4_1": 2}  # fp16 values a block starts with: d (and m)
+GROUP = 4  # rows an interleaved group holds
 
 # `--weights`: the format of the layers' products and of the output layer. At 4 bits the output layer keeps 8
 # (it is a large share of a small model's error, and llama.cpp's own 4-bit files keep it at 6-8 bits too).
@@ -57,9 +68,50 @@ class QuantWeight:
         return self.data.numel()
 
     def take(self, rows: torch.Tensor | slice) -> QuantWeight:
-        """Some of its rows (a view for a slice, a copy for an index tensor): quantized rows are independent."""
+        """Some of its rows (a view for a slice, a copy for an index tensor): quantized rows are independent. Of an
+        interleaved weight, a copy of the rows in the format it interleaves."""
+        if self.fmt.interleaved:
+            ids = torch.arange(self.rows)[rows] if isinstance(rows, slice) else rows.reshape(-1)
+            return _rows_of(self, ids)
         data = self.data[rows]
         return QuantWeight(self.fmt, data, data.shape[0], self.cols)
+
+
+def interleave(q: QuantWeight) -> QuantWeight:
+    """Q8_0 or Q4_1 laid out for the kernels' products of few rows, four rows at a time (where its rows come in
+    fours and its blocks in pairs; else `q` as it is). Per group of 4 rows and pair of blocks: the fp16 scales [rows
+    0-3 of block b, rows 0-3 of block b + 1] (Q4_1: then its minimums the same way), then each row's two blocks'
+    quants (Q8_0's as unsigned bytes, q + 128). The same bytes: a thread reads one stream, a row's two blocks in
+    one load with nothing to move, 4 rows' scales in one (docs/serving.md, "Four rows at a time"). Why by hand:
+    llama.cpp repacks its own CPU weights likewise (ggml-cpu's repack.cpp), but only inside its own buffers."""
+    if q.fmt.interleaved or q.fmt.name not in INTERLEAVED or q.rows % GROUP or q.cols % (2 * BLOCK):
+        return q
+    fields, size = FIELDS[q.fmt.name], q.fmt.block_bytes
+    groups, pairs, head = q.rows // GROUP, q.cols // (2 * BLOCK), 2 * FIELDS[q.fmt.name]
+    blocks = q.data.reshape(groups, GROUP, pairs, 2, size)  # [group, row, pair, block of the pair, bytes]
+    scales = blocks[..., :head].reshape(groups, GROUP, pairs, 2, fields, 2).permute(0, 2, 4, 3, 1, 5)
+    quants = blocks[..., head:].permute(0, 2, 1, 3, 4)  # [group, pair, row, block of the pair, bytes]
+    if q.fmt.name == "Q8_0":
+        quants = quants ^ 0x80
+    pair = 4 * 2 * size
+    data = torch.cat([scales.reshape(groups, pairs, 8 * head), quants.reshape(groups, pairs, 8 * (size - head))], -1)
+    return QuantWeight(INTERLEAVED[q.fmt.name], data.reshape(groups, pairs * pair).contiguous(), q.rows, q.cols)
+
+
+def _rows_of(q: QuantWeight, ids: torch.Tensor) -> QuantWeight:
+    """Rows `ids` of an interleaved weight in the format it interleaves (`interleave`, undone)."""
+    name = next(k for k, v in INTERLEAVED.items() if v == q.fmt)
+    fields, size, head = FIELDS[name], q.fmt.block_bytes, 2 * FIELDS[name]
+    pairs, n = q.cols // (2 * BLOCK), ids.numel()
+    picked = q.data.reshape(-1, pairs, 8 * size)[ids // GROUP]  # [n, pair, bytes]: each id's group
+    at, row = torch.arange(n), ids % GROUP
+    # [n, pair, field, block, row, 2] at each id's row: [n, pair, field, block, 2], then fields after blocks
+    scales = picked[..., : 8 * head].reshape(n, pairs, fields, 2, GROUP, 2)[at, :, :, :, row].transpose(2, 3)
+    quants = picked[..., 8 * head :].reshape(n, pairs, GROUP, 2, size - head)[at, :, row]  # [n, pair, block, q]
+    if name == "Q8_0":
+        quants = quants ^ 0x80
+    data = torch.cat([scales.reshape(n, pairs, 2, head), quants], dim=-1).reshape(n, q.cols // BLOCK * size)
+    return QuantWeight(FORMATS[name], data, n, q.cols)
 
 
 def quantize(weight: torch.Tensor, fmt: str) -> QuantWeight:
@@ -75,6 +127,8 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantWeight:
 
 def dequantize(q: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight's values [rows, cols] (for the embedding rows a step looks up, and the tests' reference)."""
+    if q.fmt.interleaved:
+        q = q.take(slice(None))
     blocks = q.data.reshape(q.rows, q.cols // BLOCK, q.fmt.block_bytes)
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [rows, blocks, 1]
     if q.fmt.name == "Q8_0":

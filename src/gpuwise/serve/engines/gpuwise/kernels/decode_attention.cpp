@@ -362,7 +362,94 @@ struct Q4_1 : Blocks<20> {
   }
 };
 
-inline bool known_format(int fmt) { return fmt == kPlain || fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ8_0; }
+// Q8_0 and Q4_1 with four rows' blocks interleaved (quant.py `interleave`), the same bytes laid out for a product
+// of few rows: a thread's share is one address stream, 4 rows' scales are one load, and a row's two blocks are one
+// load with nothing to move (docs/serving.md has the speed of each layout). Per group of 4 rows and pair of blocks
+// (64 values): the fp16 scales [rows 0-3 of block b, rows 0-3 of block b + 1] (Q4_1: then its minimums, the
+// same way), then each row's two blocks' quants: Q8_0's 64 as unsigned bytes (q + 128), Q4_1's 32 bytes of
+// nibbles as they ship. Rows come in whole groups (O % 4 == 0) of whole pairs (I % 64 == 0), checked where a
+// call comes in. Not ggml types: 100 + the type of the blocks they interleave.
+constexpr int kQ8_0x4 = 108, kQ4_1x4 = 103;
+
+struct Q8_0x4 {
+  const uint8_t* w;
+  int64_t so;  // bytes a row holds (I / 32 * 34): a group is 4 so, contiguous
+  static constexpr int64_t kEvery = 32;
+  static constexpr bool kBlocks = true;
+  static constexpr int64_t kBytes = 34;
+  static constexpr bool kMin = false;
+  static constexpr int64_t kPair = 272;  // bytes of a group's pair of blocks
+  const uint8_t* pair(int64_t row, int64_t p) const { return w + (row >> 2) * 4 * so + p * kPair; }
+  const void* at(int64_t row, int64_t i) const { return pair(row, i >> 6); }
+  __m512 tail(int64_t, int64_t, int64_t) const { return _mm512_setzero_ps(); }
+  // 16 values of a row as signed bytes, from its unsigned ones at q
+  static __m512 values16(const uint8_t* q) {
+    const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_xor_si128(u, _mm_set1_epi8(static_cast<char>(0x80)))));
+  }
+  void decode(int64_t row, int64_t b, __m512& lo, __m512& hi, float& d, float& m) const {
+    const uint8_t* p = pair(row, b >> 1);
+    const int64_t r = row & 3, h = b & 1;
+    d = half_at(p + 2 * (h * 4 + r)), m = 0.f;
+    lo = values16(p + 16 + r * 64 + h * 32), hi = values16(p + 16 + r * 64 + h * 32 + 16);
+  }
+  __m512 load(int64_t row, int64_t i) const {
+    const uint8_t* p = pair(row, i >> 6);
+    const int64_t r = row & 3, h = (i >> 5) & 1;
+    return _mm512_mul_ps(values16(p + 16 + r * 64 + (i & 63)), _mm512_set1_ps(half_at(p + 2 * (h * 4 + r))));
+  }
+  // row r's two blocks as 64 unsigned bytes, in the order the x it multiplies comes in (x_order)
+  static __m512i quants(const uint8_t* p, int r) { return _mm512_loadu_si512(p + 16 + r * 64); }
+  static __m512i x_order(__m512i x) { return x; }
+};
+
+struct Q4_1x4 {
+  const uint8_t* w;
+  int64_t so;  // bytes a row holds (I / 32 * 20): a group is 4 so, contiguous
+  static constexpr int64_t kEvery = 32;
+  static constexpr bool kBlocks = true;
+  static constexpr int64_t kBytes = 20;
+  static constexpr bool kMin = true;
+  static constexpr int64_t kPair = 160;
+  const uint8_t* pair(int64_t row, int64_t p) const { return w + (row >> 2) * 4 * so + p * kPair; }
+  const void* at(int64_t row, int64_t i) const { return pair(row, i >> 6); }
+  __m512 tail(int64_t, int64_t, int64_t) const { return _mm512_setzero_ps(); }
+  void decode(int64_t row, int64_t b, __m512& lo, __m512& hi, float& d, float& m) const {
+    const uint8_t* p = pair(row, b >> 1);
+    const int64_t r = row & 3, h = b & 1;
+    d = half_at(p + 2 * (h * 4 + r)), m = half_at(p + 16 + 2 * (h * 4 + r));
+    nibbles32(p + 32 + r * 32 + h * 16, lo, hi);
+  }
+  __m512 load(int64_t row, int64_t i) const {
+    const uint8_t* p = pair(row, i >> 6);
+    const int64_t r = row & 3, h = (i >> 5) & 1;
+    return _mm512_fmadd_ps(nibbles(p + 32 + r * 32 + h * 16, i), _mm512_set1_ps(half_at(p + 2 * (h * 4 + r))),
+                           _mm512_set1_ps(half_at(p + 16 + 2 * (h * 4 + r))));
+  }
+  // row r's 32 bytes: low nibbles [block b's values 0-15, b + 1's 0-15], then the high ones [b's 16-31, b + 1's]
+  static __m512i quants(const uint8_t* p, int r) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + r * 32));
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+    return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+  }
+  // x's 64 values [b 0-15, b 16-31, b+1 0-15, b+1 16-31] in that order: its 2nd and 3rd 16 swapped
+  static __m512i x_order(__m512i x) { return _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0)); }
+};
+
+template <typename W>
+constexpr bool kInterleaved = std::is_same<W, Q8_0x4>::value || std::is_same<W, Q4_1x4>::value;
+
+inline bool known_format(int fmt) {
+  return fmt == kPlain || fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ8_0 || fmt == kQ8_0x4 || fmt == kQ4_1x4;
+}
+
+// whether a weight [O, I] in format fmt is one the kernels take: a block format's rows whole blocks, an
+// interleaved one's whole groups of whole pairs
+inline bool takes_shape(int fmt, int64_t O, int64_t I) {
+  if (fmt == kPlain) return true;
+  if (fmt == kQ8_0x4 || fmt == kQ4_1x4) return O % 4 == 0 && I % 64 == 0;
+  return I % 32 == 0;
+}
 
 // f(the weight at w in format fmt: [O, I], a plain one with row stride w_so)
 template <typename T, typename F>
@@ -372,6 +459,8 @@ inline void with_weight(int fmt, const void* w, int64_t I, int64_t w_so, F&& f) 
     case kQ8_0: f(Q8_0{{b, I / 32 * 34}}); break;
     case kQ4_0: f(Q4_0{{b, I / 32 * 18}}); break;
     case kQ4_1: f(Q4_1{{b, I / 32 * 20}}); break;
+    case kQ8_0x4: f(Q8_0x4{b, I / 32 * 34}); break;
+    case kQ4_1x4: f(Q4_1x4{b, I / 32 * 20}); break;
     default: f(Plain<T>{static_cast<const T*>(w), w_so}); break;
   }
 }
@@ -432,8 +521,10 @@ struct Acts {
   const float* sums = nullptr;  // [M, I / 32]
   const int8_t* q = nullptr;    // [M, I], or null: multiply in fp32
   const float* d = nullptr;     // [M, I / 32]
+  const int32_t* c = nullptr;   // [M, I / 4]: -128 times each four quantized x's sum (Q8_0x4's unsigned quants)
   Acts from(int64_t m0, int64_t I) const {
-    return {sums ? sums + m0 * (I / 32) : nullptr, q ? q + m0 * I : nullptr, d ? d + m0 * (I / 32) : nullptr};
+    return {sums ? sums + m0 * (I / 32) : nullptr, q ? q + m0 * I : nullptr, d ? d + m0 * (I / 32) : nullptr,
+            c ? c + m0 * (I / 4) : nullptr};
   }
 };
 
@@ -457,6 +548,7 @@ inline void quantize_rows(const float* xf, int64_t M, int64_t I, int8_t* q, floa
 struct ActBuffers {
   std::vector<float> sums, d;
   std::vector<int8_t> q;
+  std::vector<int32_t> c;
   Acts prepare(int fmt, const float* xf, int64_t M, int64_t I, bool quantize) {
     if (fmt == kPlain) return {};
     Acts a;
@@ -464,8 +556,15 @@ struct ActBuffers {
       q.resize(M * I), d.resize(M * (I / 32));
       quantize_rows(xf, M, I, q.data(), d.data());
       a.q = q.data(), a.d = d.data();
+      if (fmt == kQ8_0x4) {
+        // (q + 128) . x = q . x + 128 sum(x): the second term taken off where VNNI's sums start
+        c.resize(M * (I / 4));
+        for (int64_t j = 0; j < M * (I / 4); ++j)
+          c[j] = -128 * (q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3]);
+        a.c = c.data();
+      }
     }
-    if (fmt == kQ4_0 || fmt == kQ4_1) {
+    if (fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ4_1x4) {
       // the sums of the x the products read: of the quantized x where it is (llama.cpp's Q8_1 s = d sum(q)),
       // so that Q4's offset cancels the error its all-positive q put in (2x nearer the exact product)
       sums.resize(M * (I / 32));
@@ -539,6 +638,85 @@ inline void qgemv_i8(const Acts& x, const W& w, const B* bias, int64_t I, int64_
   }
 }
 
+// u8 x s8 products summed in fours onto `start` (16 int32 lanes); u the unsigned quants of Q8_0x4 (q + 128) and
+// start -128 x the sums of x in fours, so the result is q . x. Without VNNI, maddubs's int16 pairs would saturate
+// on (q + 128) x: the signed quants' magnitudes are multiplied by x carrying their signs instead, start unread.
+inline __m512i dot_biased(__m512i start, __m512i u, __m512i x) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(start, u, x);
+#else
+  (void)start;
+  const __m512i q = _mm512_xor_si512(u, _mm512_set1_epi8(static_cast<char>(0x80)));
+  return dot_u8s8(_mm512_abs_epi8(q), _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(q), _mm512_setzero_si512(), x));
+#endif
+}
+
+// Pairs ahead of an interleaved product's reads that it asks for (16: the prefetcher alone, which follows the one
+// stream, kept Q8_0x4's product at about 0.6x the plain read; 4 pairs ahead at 0.75x; 16-24 at 0.9x)
+constexpr int64_t kPairsAhead = 16;
+
+// qgemv_i8 for an interleaved format (Q8_0x4, Q4_1x4): the group of 4 weight rows at o0 (a multiple of 4), two
+// blocks a step, the 4 rows' scales one load, times MM input rows. On Q8_0x4 the same sums in the same order as
+// qgemv_i8's on the Q8_0 it interleaves; Q4_1's offset m comes in as m times the block's sum of x, 4 rows at once.
+template <int MM, typename W, typename B, typename Emit>
+inline void qgemv_x4(const Acts& x, const W& w, const B* bias, int64_t I, int64_t o0, Emit&& emit) {
+  constexpr bool kMin = W::kMin;
+  const int64_t pairs = I / 64, nb = I / 32;
+  const uint8_t* p = w.pair(o0, 0);
+  // each line from kPairsAhead pairs on asked for once (the lines before: by the group before)
+  constexpr int64_t ahead = kPairsAhead * W::kPair;
+  const char* asked = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p + ahead) & ~uintptr_t{63});
+  // row r's scales out of the 8 loaded, for the 16 lanes a product's 64 bytes sum into: Q8_0x4's lanes 0-7 are
+  // block b's, 8-15 b + 1's; Q4_1x4's go b, b + 1, b, b + 1 four at a time (the low nibbles, then the high)
+  __m512i pick[4];
+  for (int r = 0; r < 4; ++r) {
+    const int b0 = r, b1 = 4 + r;
+    pick[r] = kMin ? _mm512_set_epi32(b1, b1, b1, b1, b0, b0, b0, b0, b1, b1, b1, b1, b0, b0, b0, b0)
+                   : _mm512_set_epi32(b1, b1, b1, b1, b1, b1, b1, b1, b0, b0, b0, b0, b0, b0, b0, b0);
+  }
+  __m512 acc[4][MM];
+  __m256 off[MM];  // Q4_1: [rows 0-3 of block b's m s, rows 0-3 of b + 1's] summed over the pairs
+  for (int m = 0; m < MM; ++m) {
+    off[m] = _mm256_setzero_ps();
+    for (int r = 0; r < 4; ++r) acc[r][m] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < pairs; ++k, p += W::kPair) {
+    for (const char* until = reinterpret_cast<const char*>(p + ahead + W::kPair); asked < until; asked += 64)
+      _mm_prefetch(asked, _MM_HINT_T0);
+    const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    __m256 m8 = _mm256_setzero_ps();
+    if constexpr (kMin) m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    __m512i q[4];
+    for (int r = 0; r < 4; ++r) q[r] = W::quants(p, r);
+    for (int m = 0; m < MM; ++m) {
+      const __m512i xv = W::x_order(_mm512_loadu_si512(x.q + m * I + k * 64));
+      const float* xd = x.d + m * nb + 2 * k;
+      const __m256 dx = _mm256_insertf128_ps(_mm256_set1_ps(xd[0]), _mm_set1_ps(xd[1]), 1);
+      const __m512 sc = _mm512_castps256_ps512(_mm256_mul_ps(s8, dx));
+      __m512i start = _mm512_setzero_si512();
+      if constexpr (kMin) {
+        const float* xs = x.sums + m * nb + 2 * k;
+        const __m256 sums = _mm256_insertf128_ps(_mm256_set1_ps(xs[0]), _mm_set1_ps(xs[1]), 1);
+        off[m] = _mm256_add_ps(_mm256_mul_ps(m8, sums), off[m]);
+      } else {
+        start = _mm512_loadu_si512(x.c + m * (I / 4) + k * 16);
+      }
+      for (int r = 0; r < 4; ++r) {
+        const __m512i dot = kMin ? dot_u8s8(q[r], xv) : dot_biased(start, q[r], xv);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick[r], sc), acc[r][m]);
+      }
+    }
+  }
+  for (int m = 0; m < MM; ++m) {
+    alignas(32) float o[8];
+    _mm256_store_ps(o, off[m]);
+    for (int r = 0; r < 4; ++r) {
+      const float b = bias ? static_cast<float>(bias[o0 + r]) : 0.f;
+      emit(m, o0 + r, _mm512_reduce_add_ps(acc[r][m]) + (kMin ? o[r] + o[4 + r] : 0.f) + b);
+    }
+  }
+}
+
 // Output rows m0 .. m0 + MM of output columns o0 .. o0 + rows (rows <= kBlock), each weight row read once a
 // pass: emit(m, o, the fp32 sum plus the bias) for each, m counted from m0.
 template <int MM, typename W, typename B, typename Emit>
@@ -586,7 +764,17 @@ void gemv_cols(const float* xf, const Acts& xa, const W& w, const B* bias, int64
     if constexpr (W::kBlocks) {
       const Acts xm_a = xa.from(m0, I);
       const float* sums = xm_a.sums;
-      if (xm_a.q) {
+      if constexpr (kInterleaved<W>) {
+        if (xm_a.q) {
+          switch (std::min(kRowsAtOnce, M - m0)) {
+            case 1: qgemv_x4<1>(xm_a, w, bias, I, o0, at); break;
+            case 2: qgemv_x4<2>(xm_a, w, bias, I, o0, at); break;
+            case 3: qgemv_x4<3>(xm_a, w, bias, I, o0, at); break;
+            default: qgemv_x4<4>(xm_a, w, bias, I, o0, at); break;
+          }
+          continue;
+        }
+      } else if (xm_a.q) {
         switch (std::min(kRowsAtOnce, M - m0)) {
           case 1: qgemv_i8<1>(xm_a, w, bias, I, o0, rows, at); break;
           case 2: qgemv_i8<2>(xm_a, w, bias, I, o0, rows, at); break;
@@ -1094,7 +1282,7 @@ int gpuwise_caps() {
 int gpuwise_gemv(int dtype, int fmt, const void* x, const void* w, const void* bias, void* out, int64_t M, int64_t O,
                  int64_t I, int64_t w_so) {
   if (M < 1 || O < 1 || I < 1 || !known_format(fmt)) return 1;
-  if (fmt == kPlain ? (M > kMaxRows || w_so < I) : I % 32 != 0) return 1;
+  if (fmt == kPlain ? (M > kMaxRows || w_so < I) : !takes_shape(fmt, O, I)) return 1;
   if (dtype == 0) {
     gemv(fmt, static_cast<const float*>(x), w, static_cast<const float*>(bias), static_cast<float*>(out), M, O, I,
          w_so);
@@ -1110,7 +1298,8 @@ int gpuwise_gemv(int dtype, int fmt, const void* x, const void* w, const void* b
 // Rows r0 .. r0 + n of a weight in a block format (fmt), dequantized into out [n, I] in dtype (0 float32, 1
 // bfloat16): a few rows at a time for a library's product of many rows. Returns 0, or 1 when it does not take them.
 int gpuwise_dequantize(int dtype, int fmt, const void* w, void* out, int64_t r0, int64_t n, int64_t I) {
-  if (fmt == kPlain || !known_format(fmt) || I % 32 != 0 || n < 0 || r0 < 0) return 1;
+  // (any rows of an interleaved weight: its whole groups are the caller's)
+  if (fmt == kPlain || !known_format(fmt) || !takes_shape(fmt, 4, I) || n < 0 || r0 < 0) return 1;
   auto run = [&](auto* o) {
     using T = std::remove_pointer_t<decltype(o)>;
     with_weight<T>(fmt, w, I, I, [&](auto wv) {
@@ -1141,8 +1330,10 @@ int gpuwise_decode_step(int dtype, int fmt, int head_fmt, void* x, const void* c
   if (M < 1 || M > kMaxRows || D % 16 != 0 || D / 16 > kMaxChunks || K <= 0 || H % K != 0) return 1;
   if (bs < 1 || tb < 1) return 1;
   if (!known_format(fmt) || !known_format(head_fmt)) return 1;
-  if (fmt != kPlain && (E % 32 != 0 || (H * D) % 32 != 0 || F % 32 != 0)) return 1;
-  if (head_fmt != kPlain && E % 32 != 0) return 1;
+  const int64_t QKV = (H + 2 * K) * D;  // gate_up: F gate rows, then F up rows, read a group of each at a time
+  if (!takes_shape(fmt, QKV, E) || !takes_shape(fmt, E, H * D) || !takes_shape(fmt, F, E) || !takes_shape(fmt, E, F))
+    return 1;
+  if (!takes_shape(head_fmt, V, E)) return 1;
   if (dtype == 0) {
     decode_step(fmt, head_fmt, static_cast<float*>(x), static_cast<const float*>(cos),
                 static_cast<const float*>(sin), pos, table, tb, bs, ptrs, eps, layers,
