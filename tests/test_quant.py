@@ -314,6 +314,9 @@ def test_the_named_bases_q4_1_file_loads_into_the_engine_as_it_ships(kernel):
     assert torch.equal(dequantize(decoder.layers[0].qkv.quant), plain_qkv)
     assert decoder.head.quant.fmt == INTERLEAVED["Q8_0"] and decoder.embed_q is decoder.head.quant
     ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30, 2]])
+    # the tied embedding's rows: gathered from the interleaved blocks for a prompt, by the kernel for a step's few
+    table = dequantize(decoder.embed_q)
+    assert torch.equal(decoder._embed(ids), table[ids]) and torch.equal(decoder._embed(ids[:, :3]), table[ids[:, :3]])
     n = ids.shape[1]
     pos = torch.arange(n).unsqueeze(0)
     cache = PagedCache.for_rows(reference.config, 1, torch.float32, "cpu", context=n)
