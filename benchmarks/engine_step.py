@@ -12,6 +12,7 @@ Run: .venv/bin/python benchmarks/engine_step.py [--batches 1,8,32] [--rounds 3] 
 
 --weights: the fused bf16 step also on int8 and int4 weights (`gpuwise serve --weights`), speed-up over bf16's;
 with int8, also on its Q8_0 blocks as a GGUF ships them rather than four rows at a time (quant.interleave).
+For each fused bf16 variant the whole-step kernel's call is also timed alone: the rest of its step is Python.
 Read them under OMP_WAIT_POLICY=PASSIVE, as `gpuwise serve` runs: with OpenMP's default, the `generate` variants
 leave its threads spinning into the next variant's step, and the short quantized steps pay most (int8 / bf16 at
 one row read 1.07x so, 1.42x under PASSIVE, on the 2-core Xeon).
@@ -80,6 +81,7 @@ def main() -> None:
     ap.add_argument("--weights", default="int8,int4", help="quantized variants of the fused bf16 step ('' for none)")
     args = ap.parse_args()
 
+    from llm_serve_load import WeightRead, weight_bytes  # beside this script
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -159,12 +161,33 @@ def main() -> None:
     generate = {"fp32 generate": fp32, "bf16 generate": bf16}
     names = list(variants) + list(generate)
     steps: dict[tuple[str, int], list[float]] = {(v, b): [] for v in names for b in batches}
+    # the whole-step kernel's calls timed apart from the Python around them (the library is one, shared by every
+    # fused variant: each call is put down to the variant running)
+    kernel: dict[tuple[str, int], list[float]] = {}
+    running: list[tuple[str, int] | None] = [None]
+    library = attention.load()[0]
+    if library is not None:
+        call = library.step_fn
+
+        def timed(*a):
+            t = time.perf_counter()
+            rc = call(*a)
+            if running[0] is not None:
+                kernel.setdefault(running[0], []).append(time.perf_counter() - t)
+            return rc
+
+        library.step_fn = timed
+    reader = WeightRead() if library is not None else None
     with torch.inference_mode():
         for r in range(args.rounds):
+            if reader is not None:  # the bound the kernel's one-row reads are held to, read between rounds
+                reader.sample()
             for b in batches:
                 for name in names if r % 2 == 0 else names[::-1]:
                     if name in variants:
+                        running[0] = (name, b)
                         steps[name, b] += engine_step(variants[name], ids, b, args.steps, adapter)
+                        running[0] = None
                     else:
                         steps[name, b].append(generate_step(generate[name], ids, b, args.steps))
             print(f"round {r + 1} of {args.rounds} done", flush=True)
@@ -180,6 +203,13 @@ def main() -> None:
             ms = statistics.median(steps[n, b]) * 1e3
             cells.append(f"{ms:.1f} ms ({b / ms * 1e3:.0f}/s)")
         print(f"{b:>5}" + "".join(f"{c:>28}" for c in cells))
+    read = float("nan")
+    if reader is not None:
+        reader.sample()
+        read = reader.median()
+        spread = f"{min(reader.readings):.1f}-{max(reader.readings):.1f}"
+        print(f"benchmarks/weight_read.cpp on this host: {read:.1f} GB/s, the median of its readings between rounds"
+              f" ({spread})")  # fmt: skip
     print(f"packed: fp32 for {packing('cpu', torch.float32)}, bf16 for {packing('cpu', torch.bfloat16)}")
     print(f"decode attention: {attention.load()[1]}")
     for b in batches:
@@ -200,6 +230,14 @@ def main() -> None:
         for w in [n.removeprefix("bf16 fused ") for n in med if n.startswith("bf16 fused int")]:
             gain = med["bf16 fused"] / med[f"bf16 fused {w}"]
             print(f"batch {b}: bf16 fused, {w} weights / bf16 weights = {gain:.2f}x")
+        for n in (n for n in med if n.startswith("bf16 fused") and (n, b) in kernel):
+            k = statistics.median(kernel[n, b])
+            line = f"batch {b}: {n}: the step kernel's call {k * 1e3:.2f} ms of a {med[n] * 1e3:.2f} ms step"
+            if b == 1 and read == read:  # at one row the kernel reads every weight once: the rate it reads them at
+                kind = next((f"gpuwise-{w}" for w in ("int8", "int4") if w in n.split()), "gpuwise")
+                held = weight_bytes(kind, model_dir, "bf16")
+                line += f", {held / 1e6:.0f} MB read at {held / k / 1e9:.1f} GB/s ({held / k / 1e9 / read:.0%} of it)"
+            print(line)
         if "bf16 fused int8 as shipped" in med:
             gain = med["bf16 fused int8 as shipped"] / med["bf16 fused int8"]
             print(f"batch {b}: bf16 fused int8, Q8_0 interleaved / as shipped = {gain:.2f}x")

@@ -32,7 +32,8 @@ gpuwise's own concurrency-1 throughput; at 1, at least the peer's tokens/s.
 Bytes (issue #54): each server's weight bytes read per decode step (gpuwise's: the planner's bytes per weight,
 which tests/test_quant.py holds to the bytes the engine holds; llama.cpp's: the tensors of the GGUF it serves),
 and at one stream the bandwidth that reaches (tok/s x bytes, and bytes / TPOT p50: a decode step's own), against
-what benchmarks/weight_read.cpp reads on this host in the same run (compiled here; its best variant).
+what benchmarks/weight_read.cpp reads on this host in the same run (compiled here; its best variant; read before
+each round's one-stream turns and after the last, the median taken: the VM's reading moves with the hour).
 """
 
 from __future__ import annotations
@@ -105,23 +106,40 @@ def weight_bytes(kind: str, model_dir: str, dtype: str) -> float:
     return float("nan")
 
 
+class WeightRead:
+    """benchmarks/weight_read.cpp, compiled once here and run with as many threads as the servers compute on: what
+    it reads (GB/s, its best variant) each time `sample` runs it. On this VM its reading moves with the hour (21-41
+    GB/s; its 300 MB L3 is shared with other tenants), so it is read beside the servers, between their turns."""
+
+    def __init__(self) -> None:
+        self.readings: list[float] = []
+        self.exe: Path | None = Path(tempfile.mkdtemp()) / "weight_read"
+        source = Path(__file__).with_name("weight_read.cpp")
+        built = subprocess.run(["g++", "-O3", "-march=native", "-fopenmp", str(source), "-o", str(self.exe)],
+                               capture_output=True, text=True)  # fmt: skip
+        if built.returncode:
+            print(f"weight_read.cpp did not build: {built.stderr[-300:]}", file=sys.stderr)
+            self.exe = None
+
+    def sample(self) -> float:
+        import re
+
+        import torch
+
+        if self.exe is None:
+            return float("nan")
+        env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+        out = subprocess.run([str(self.exe)], capture_output=True, text=True, env=env).stdout
+        self.readings.append(max((float(x) for x in re.findall(r"([0-9.]+) GB/s", out)), default=float("nan")))
+        return self.readings[-1]
+
+    def median(self) -> float:
+        return float(np.median(self.readings)) if self.readings else float("nan")
+
+
 def weight_read_gbs() -> float:
-    """What benchmarks/weight_read.cpp reads on this host (GB/s, its best variant), compiled and run now with as
-    many threads as the servers compute on; nan where it cannot be built."""
-    import re
-
-    import torch
-
-    exe = Path(tempfile.mkdtemp()) / "weight_read"
-    source = Path(__file__).with_name("weight_read.cpp")
-    built = subprocess.run(["g++", "-O3", "-march=native", "-fopenmp", str(source), "-o", str(exe)],
-                           capture_output=True, text=True)  # fmt: skip
-    if built.returncode:
-        print(f"weight_read.cpp did not build: {built.stderr[-300:]}", file=sys.stderr)
-        return float("nan")
-    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
-    out = subprocess.run([str(exe)], capture_output=True, text=True, env=env).stdout
-    return max((float(x) for x in re.findall(r"([0-9.]+) GB/s", out)), default=float("nan"))
+    """One reading of benchmarks/weight_read.cpp on this host (GB/s); nan where it cannot be built."""
+    return WeightRead().sample()
 
 
 def llama_cpp_gguf(model_dir: str, dtype: str, kind: str) -> Path:
@@ -428,7 +446,7 @@ def main() -> None:
     if args.baseline:
         kinds.append(base := f"gpuwise@{args.baseline}")
         names[base], src[base] = base, worktree(args.baseline, logs)
-    read_gbs = weight_read_gbs() if args.device == "cpu" else float("nan")
+    reader = WeightRead() if args.device == "cpu" else None
     per_step: dict[tuple[str, str], float] = {}
     for dtype in dtypes:
         bound = bounds(params, dtype, args.device)
@@ -455,6 +473,8 @@ def main() -> None:
             done: dict[tuple[str, int], list] = {(k, c): [] for k in kinds for c in levels}
             for r in range(args.rounds):
                 for c, n in levels.items():
+                    if c == 1 and reader is not None:  # the bound one stream is read against, beside it
+                        reader.sample()
                     for kind in kinds if r % 2 == 0 else kinds[::-1]:
                         _, url, model = servers[kind]
                         done[kind, c].append(asyncio.run(level(url, model, c, n)))
@@ -487,7 +507,11 @@ def main() -> None:
     for (dtype, name), share in hits.items():
         print(f"{dtype} {name}: {share}")
     # bytes: what each server reads a step, and at one stream the bandwidth that reaches
-    print(f"weight_read.cpp on this host: {read_gbs:.1f} GB/s")
+    if reader is not None:
+        reader.sample()  # and once after the last round
+    read_gbs = reader.median() if reader is not None else float("nan")
+    spread = f" (readings {min(reader.readings):.1f}-{max(reader.readings):.1f})" if reader and reader.readings else ""
+    print(f"weight_read.cpp on this host: {read_gbs:.1f} GB/s, the median of its readings between rounds{spread}")
     # two readings: tok/s x bytes (the requests' whole time, first tokens included) and bytes / TPOT p50 (a decode
     # step's time as the client sees it, between two tokens of a stream)
     print(f"{'dtype':<6}{'server':<26}{'MB a step':>10}{'GB/s at 1':>10}{'of weight_read':>15}"

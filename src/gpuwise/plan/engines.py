@@ -17,13 +17,13 @@ ENGINES = ("auto", "gpuwise", "vllm", "llama.cpp")
 # What `--engine auto` reads on a CPU for a quantized GGUF: tok/s of SmolLM2-135M-Instruct chats at 1, 8 and 32
 # streams, each server measured side by side in one run (benchmarks/llm_serve_load.py, issue #54's servers;
 # docs/serving.md "Fewer bytes per token": the host, the date, the table).
-CPU_TOK_S_SOURCE = "benchmarks/llm_serve_load.py, 2-core Xeon with AMX, 2026-12-06"
+CPU_TOK_S_SOURCE = "benchmarks/llm_serve_load.py, 2-core Xeon with AMX, 2026-12-07"
 CPU_TOK_S: dict[str, tuple[float, float, float]] = {
-    "gpuwise bf16": (104.7, 192.7, 544.8),
-    "gpuwise int8": (166.2, 212.3, 428.9),
-    "gpuwise int4": (181.9, 203.2, 540.5),
-    "llama.cpp q8_0": (116.3, 229.4, 239.4),
-    "llama.cpp q4_1": (133.8, 180.3, 171.1),
+    "gpuwise bf16": (62.8, 144.0, 477.5),
+    "gpuwise int8": (108.0, 191.0, 321.5),
+    "gpuwise int4": (146.6, 186.0, 405.2),
+    "llama.cpp q8_0": (68.0, 174.4, 190.7),
+    "llama.cpp q4_1": (83.0, 136.9, 119.9),
 }
 STREAM_LEVELS = (1, 8, 32)
 # speeds within this of the fastest count as the same (a run's servers differ by less than this from round to

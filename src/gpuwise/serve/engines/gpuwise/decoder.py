@@ -110,6 +110,9 @@ def unsupported(model) -> str | None:
 # crossovers, measured: docs/serving.md, "Fewer bytes per token".
 LIBRARY_ROWS = 16
 AMX_ROWS = 128
+# rope types whose frequencies do not change with the sequence's length (transformers' ROPE_INIT_FUNCTIONS; the
+# dynamic ones recompute them): their cos and sin at a position can be kept
+STATIC_ROPE = ("default", "linear", "llama3")
 EMBED_BY_KERNEL = 8  # token rows up to which a quantized embedding's rows are dequantized one by one (_embed)
 CHUNK_ROWS = 1024  # 1024 x 576 bf16 weights: 1.2 MB, in the L2 cache
 
@@ -410,6 +413,7 @@ class FusedDecoder:
         self.dtype, self.device, self.vocab = self.embed.dtype, self.embed.device, self.embed.shape[0]
         self.weights = f"{self.dtype}".removeprefix("torch.")
         self.rotary = inner.rotary_emb
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # _rotary_rows's table
         # one query per row (a decode step): gpuwise's CPU kernel where it builds (attention.py), else SDPA;
         # the same library's product for a decode step's few rows
         self.attention, self.why, products = None, "SDPA", None
@@ -507,6 +511,21 @@ class FusedDecoder:
         self.step_formats = (_format(linears[0]), _format(self.head))
         return torch.tensor(rows, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32)
 
+    def _rotary_rows(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's cos and sin [n, head_dim] at positions `pos` [n], in x's dtype: rows of a table
+        made once (and doubled as positions grow) where the rope's frequencies are fixed, for a step's few rows
+        (the module's own call cost about 60 us a step); each row is the module's at that position bitwise
+        (a position's angles are one product each: tests/test_decoder.py holds the step to the forward)."""
+        if getattr(self.rotary, "rope_type", None) not in STATIC_ROPE:
+            cos, sin = self.rotary(x.unsqueeze(1), pos.reshape(-1, 1))
+            return cos.reshape(pos.numel(), -1).contiguous(), sin.reshape(pos.numel(), -1).contiguous()
+        need = int(pos.max()) + 1
+        if self._rope is None or self._rope[0].shape[0] < need or self._rope[0].dtype != x.dtype:
+            size = max(need, 256, 2 * (0 if self._rope is None else self._rope[0].shape[0]))
+            cos, sin = self.rotary(x[:1].unsqueeze(1), torch.arange(size).unsqueeze(0))
+            self._rope = (cos[0].contiguous(), sin[0].contiguous())
+        return self._rope[0][pos], self._rope[1][pos]
+
     def _decode_step(self, part: Part, cache) -> torch.Tensor | None:
         """One decode step of part's rows (one token each, no adapter) in one call of the kernel library: the
         logits [n, vocab] in fp32, or None where the kernel refused it (its Python forward serves from now on)."""
@@ -514,8 +533,7 @@ class FusedDecoder:
         ptrs, eps = self.step
         n, D = part.ids.shape[0], self.head_dim
         x = self._embed(part.ids.reshape(-1)).contiguous()  # [n, hidden]
-        cos, sin = self.rotary(x.unsqueeze(1), part.pos.reshape(-1, 1))
-        cos, sin = cos.reshape(n, D).contiguous(), sin.reshape(n, D).contiguous()
+        cos, sin = self._rotary_rows(x, part.pos.reshape(-1))
         keys, values, table = cache.keys, cache.values, part.table
         if not (keys.is_contiguous() and values.is_contiguous() and keys.shape == values.shape):
             return None
