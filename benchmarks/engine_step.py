@@ -178,10 +178,18 @@ def main() -> None:
 
         library.step_fn = timed
     reader = WeightRead() if library is not None else None
+
+    def held_bytes(variant: str) -> float:
+        """The weight bytes a fused bf16 variant's step reads (the planner's, as llm_serve_load.py counts them)."""
+        kind = next((f"gpuwise-{w}" for w in ("int8", "int4") if w in variant.split()), "gpuwise")
+        return weight_bytes(kind, model_dir, "bf16")
+
+    sizes = sorted({round(held_bytes(n) / 1e6) for n in variants if n.startswith("bf16 fused")})
     with torch.inference_mode():
         for r in range(args.rounds):
-            if reader is not None:  # the bound the kernel's one-row reads are held to, read between rounds
-                reader.sample()
+            if reader is not None:  # the bounds the kernel's one-row reads are held to, read between rounds
+                for mb in sizes:
+                    reader.sample(mb)
             for b in batches:
                 for name in names if r % 2 == 0 else names[::-1]:
                     if name in variants:
@@ -203,13 +211,11 @@ def main() -> None:
             ms = statistics.median(steps[n, b]) * 1e3
             cells.append(f"{ms:.1f} ms ({b / ms * 1e3:.0f}/s)")
         print(f"{b:>5}" + "".join(f"{c:>28}" for c in cells))
-    read = float("nan")
     if reader is not None:
-        reader.sample()
-        read = reader.median()
-        spread = f"{min(reader.readings):.1f}-{max(reader.readings):.1f}"
-        print(f"benchmarks/weight_read.cpp on this host: {read:.1f} GB/s, the median of its readings between rounds"
-              f" ({spread})")  # fmt: skip
+        for mb in sizes:
+            reader.sample(mb)
+            print(f"benchmarks/weight_read.cpp on this host over {mb} MB: {reader.median(mb):.1f} GB/s, the median of"
+                  f" its readings between rounds ({reader.spread(mb)})")  # fmt: skip
     print(f"packed: fp32 for {packing('cpu', torch.float32)}, bf16 for {packing('cpu', torch.bfloat16)}")
     print(f"decode attention: {attention.load()[1]}")
     for b in batches:
@@ -233,10 +239,11 @@ def main() -> None:
         for n in (n for n in med if n.startswith("bf16 fused") and (n, b) in kernel):
             k = statistics.median(kernel[n, b])
             line = f"batch {b}: {n}: the step kernel's call {k * 1e3:.2f} ms of a {med[n] * 1e3:.2f} ms step"
-            if b == 1 and read == read:  # at one row the kernel reads every weight once: the rate it reads them at
-                kind = next((f"gpuwise-{w}" for w in ("int8", "int4") if w in n.split()), "gpuwise")
-                held = weight_bytes(kind, model_dir, "bf16")
-                line += f", {held / 1e6:.0f} MB read at {held / k / 1e9:.1f} GB/s ({held / k / 1e9 / read:.0%} of it)"
+            if b == 1 and reader is not None:  # at one row the kernel reads every weight once: at what rate
+                held = held_bytes(n)
+                read = reader.median(round(held / 1e6))
+                line += f", {held / 1e6:.0f} MB read at {held / k / 1e9:.1f} GB/s ({held / k / 1e9 / read:.0%} of"
+                line += " weight_read's over as many)"
             print(line)
         if "bf16 fused int8 as shipped" in med:
             gain = med["bf16 fused int8 as shipped"] / med["bf16 fused int8"]

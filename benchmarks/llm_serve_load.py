@@ -32,8 +32,9 @@ gpuwise's own concurrency-1 throughput; at 1, at least the peer's tokens/s.
 Bytes (issue #54): each server's weight bytes read per decode step (gpuwise's: the planner's bytes per weight,
 which tests/test_quant.py holds to the bytes the engine holds; llama.cpp's: the tensors of the GGUF it serves),
 and at one stream the bandwidth that reaches (tok/s x bytes, and bytes / TPOT p50: a decode step's own), against
-what benchmarks/weight_read.cpp reads on this host in the same run (compiled here; its best variant; read before
-each round's one-stream turns and after the last, the median taken: the VM's reading moves with the hour).
+what benchmarks/weight_read.cpp reads on this host in the same run over as many bytes (compiled here; its best
+variant; read before each round's one-stream turns and after the last, the median taken: the VM's reading moves
+with the hour, and with the size where its last-level cache holds much of it).
 """
 
 from __future__ import annotations
@@ -108,11 +109,14 @@ def weight_bytes(kind: str, model_dir: str, dtype: str) -> float:
 
 class WeightRead:
     """benchmarks/weight_read.cpp, compiled once here and run with as many threads as the servers compute on: what
-    it reads (GB/s, its best variant) each time `sample` runs it. On this VM its reading moves with the hour (21-41
-    GB/s; its 300 MB L3 is shared with other tenants), so it is read beside the servers, between their turns."""
+    it reads (GB/s, its best variant) over a weight of `mb` MB each time `sample` runs it. Its reading moves with
+    the hour on this VM (21-41 GB/s over 270 MB), so it is read beside the servers, between their turns; and with
+    the size, where the last-level cache holds much of a step's bytes (300 MB on the 2-core Xeon, shared with the
+    host's other tenants: 143 MB read at about twice 270 MB's rate), so each server is held to a read of its own
+    step's bytes."""
 
     def __init__(self) -> None:
-        self.readings: list[float] = []
+        self.readings: dict[int, list[float]] = {}
         self.exe: Path | None = Path(tempfile.mkdtemp()) / "weight_read"
         source = Path(__file__).with_name("weight_read.cpp")
         built = subprocess.run(["g++", "-O3", "-march=native", "-fopenmp", str(source), "-o", str(self.exe)],
@@ -121,7 +125,7 @@ class WeightRead:
             print(f"weight_read.cpp did not build: {built.stderr[-300:]}", file=sys.stderr)
             self.exe = None
 
-    def sample(self) -> float:
+    def sample(self, mb: int = 270) -> float:
         import re
 
         import torch
@@ -129,17 +133,17 @@ class WeightRead:
         if self.exe is None:
             return float("nan")
         env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
-        out = subprocess.run([str(self.exe)], capture_output=True, text=True, env=env).stdout
-        self.readings.append(max((float(x) for x in re.findall(r"([0-9.]+) GB/s", out)), default=float("nan")))
-        return self.readings[-1]
+        out = subprocess.run([str(self.exe), str(mb)], capture_output=True, text=True, env=env).stdout
+        gbs = max((float(x) for x in re.findall(r"([0-9.]+) GB/s", out)), default=float("nan"))
+        self.readings.setdefault(mb, []).append(gbs)
+        return gbs
 
-    def median(self) -> float:
-        return float(np.median(self.readings)) if self.readings else float("nan")
+    def median(self, mb: int = 270) -> float:
+        return float(np.median(self.readings[mb])) if self.readings.get(mb) else float("nan")
 
-
-def weight_read_gbs() -> float:
-    """One reading of benchmarks/weight_read.cpp on this host (GB/s); nan where it cannot be built."""
-    return WeightRead().sample()
+    def spread(self, mb: int = 270) -> str:
+        got = self.readings.get(mb) or [float("nan")]
+        return f"{min(got):.1f}-{max(got):.1f}"
 
 
 def llama_cpp_gguf(model_dir: str, dtype: str, kind: str) -> Path:
@@ -451,6 +455,8 @@ def main() -> None:
     for dtype in dtypes:
         bound = bounds(params, dtype, args.device)
         per_step.update({(dtype, names[k]): weight_bytes(k, model_dir, dtype) for k in kinds})
+        # each server's step bytes, in MB: the sizes weight_read.cpp reads
+        sizes = sorted({round(per_step[dtype, names[k]] / 1e6) for k in kinds if per_step[dtype, names[k]] > 0})
         servers = {}
         try:
             for kind in kinds:
@@ -473,8 +479,9 @@ def main() -> None:
             done: dict[tuple[str, int], list] = {(k, c): [] for k in kinds for c in levels}
             for r in range(args.rounds):
                 for c, n in levels.items():
-                    if c == 1 and reader is not None:  # the bound one stream is read against, beside it
-                        reader.sample()
+                    if c == 1 and reader is not None:  # the bounds one stream is read against, beside it
+                        for mb in sizes:
+                            reader.sample(mb)
                     for kind in kinds if r % 2 == 0 else kinds[::-1]:
                         _, url, model = servers[kind]
                         done[kind, c].append(asyncio.run(level(url, model, c, n)))
@@ -506,12 +513,14 @@ def main() -> None:
         )
     for (dtype, name), share in hits.items():
         print(f"{dtype} {name}: {share}")
-    # bytes: what each server reads a step, and at one stream the bandwidth that reaches
+    # bytes: what each server reads a step, and at one stream the bandwidth that reaches, against a plain read of
+    # as many bytes
     if reader is not None:
-        reader.sample()  # and once after the last round
-    read_gbs = reader.median() if reader is not None else float("nan")
-    spread = f" (readings {min(reader.readings):.1f}-{max(reader.readings):.1f})" if reader and reader.readings else ""
-    print(f"weight_read.cpp on this host: {read_gbs:.1f} GB/s, the median of its readings between rounds{spread}")
+        for mb in list(reader.readings):  # and once more after the last round
+            reader.sample(mb)
+        for mb in sorted(reader.readings):
+            print(f"weight_read.cpp on this host over {mb} MB: {reader.median(mb):.1f} GB/s, the median of its "
+                  f"readings between rounds ({reader.spread(mb)})")  # fmt: skip
     # two readings: tok/s x bytes (the requests' whole time, first tokens included) and bytes / TPOT p50 (a decode
     # step's time as the client sees it, between two tokens of a stream)
     print(f"{'dtype':<6}{'server':<26}{'MB a step':>10}{'GB/s at 1':>10}{'of weight_read':>15}"
@@ -520,6 +529,7 @@ def main() -> None:
         if c != 1 or per_step.get((dtype, name), float("nan")) != per_step.get((dtype, name), float("nan")):
             continue
         gbs, step = r["tokens_per_s"] * per_step[dtype, name] / 1e9, per_step[dtype, name] / r["tpot_p50"] / 1e9
+        read_gbs = reader.median(round(per_step[dtype, name] / 1e6)) if reader is not None else float("nan")
         print(f"{dtype:<6}{name:<26}{per_step[dtype, name] / 1e6:>10.0f}{gbs:>10.1f}{gbs / read_gbs:>15.0%}"
               f"{step:>12.1f}{step / read_gbs:>15.0%}")  # fmt: skip
     if args.json:

@@ -1,11 +1,13 @@
 // How fast a one-row product reads its bf16 weight on this CPU, read as gpuwise's decode kernel reads it
 // (src/gpuwise/serve/engines/gpuwise/kernels/decode_attention.cpp: gemv_block, 4 weight rows a pass), with and without asking
 // for the rows ahead (_mm_prefetch), beside one plain stream a thread summed: the bound the kernel is held to.
-// One weight of 270 MB (SmolLM2-135M's bytes a token in bf16) as [O, 576]; every variant in one run, rounds
-// alternating, median of each.
+// One weight of 270 MB (SmolLM2-135M's bytes a token in bf16), or of the MB given, as [O, 576]; every variant in
+// one run, rounds alternating, median of each. A size matters where the CPU's last-level cache holds a good part
+// of it (the 2-core Xeon's is 300 MB, shared with the host's other tenants): a server is held to a read of its
+// own step's bytes (benchmarks/llm_serve_load.py).
 //
 // Build and run (AVX-512):
-//   g++ -O3 -march=native -fopenmp benchmarks/weight_read.cpp -o /tmp/weight_read && OMP_NUM_THREADS=2 /tmp/weight_read
+//   g++ -O3 -march=native -fopenmp benchmarks/weight_read.cpp -o /tmp/weight_read && OMP_NUM_THREADS=2 /tmp/weight_read [MB]
 #include <immintrin.h>
 #include <omp.h>
 
@@ -13,12 +15,14 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
 
 namespace {
-constexpr int64_t I = 576, O = 270'000'000 / 2 / I;
+constexpr int64_t I = 576;
+int64_t O = 270'000'000 / 2 / I;  // rows: the MB asked for
 
 inline __m512 load16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -43,7 +47,8 @@ void product(const uint16_t* w, const float* x, float* out, int64_t ahead) {
 }
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  if (argc > 1) O = static_cast<int64_t>(std::atof(argv[1]) * 1e6 / 2 / I) / 4 * 4;
   // room past the end: the last rows' prefetches ask for addresses beyond the weight
   std::vector<uint16_t> w((O + 64) * I, 0x3f80);
   std::vector<float> x(I, 1.f), out(O), sums(256);

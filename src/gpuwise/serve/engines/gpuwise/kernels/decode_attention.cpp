@@ -651,8 +651,8 @@ inline __m512i dot_biased(__m512i start, __m512i u, __m512i x) {
 #endif
 }
 
-// Pairs ahead of an interleaved product's reads that it asks for (16: the prefetcher alone, which follows the one
-// stream, kept Q8_0x4's product at about 0.6x the plain read; 4 pairs ahead at 0.75x; 16-24 at 0.9x)
+// Pairs ahead of an interleaved product's reads that it asks for: the prefetcher alone, which follows the one
+// stream, fell well behind a plain read, and 16 on read faster than 4 (benchmarks/block_read.cpp; docs/serving.md)
 constexpr int64_t kPairsAhead = 16;
 
 // qgemv_i8 for an interleaved format (Q8_0x4, Q4_1x4): the group of 4 weight rows at o0 (a multiple of 4), two
