@@ -312,7 +312,8 @@ async def level(url: str, model: str, concurrency: int, requests: int) -> tuple[
     import aiohttp
 
     gate = asyncio.Semaphore(concurrency)
-    connector = aiohttp.TCPConnector(limit=concurrency)
+    # a connection a request: llama-server closes idle keep-alive connections, which a pooled client then writes to
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=True)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
 
         async def gated(i: int) -> dict:

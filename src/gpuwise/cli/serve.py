@@ -132,8 +132,8 @@ WeightsOpt = Annotated[
     str,
     typer.Option(
         help="Language models on gpuwise's engine: the weights it holds. auto: for a quantized GGUF on a CPU (the "
-        "named bases ship Q4_1), its own Q8_0/Q4_1 blocks or bf16, whichever was measured faster at --max-seqs "
-        "streams; else as --dtype; bf16; int8 (llama.cpp's "
+        "named bases ship Q4_1), its own Q8_0/Q4_1 blocks or bf16, whichever was measured least behind the "
+        "faster from 1 to --max-seqs streams; else as --dtype; bf16; int8 (llama.cpp's "
         "Q8_0 blocks, 8.5 bits a weight) or int4 (Q4_1 layers, 5 bits, the output layer Q8_0), quantized at load "
         "from the model's weights and read by the CPU kernels as they are stored (docs/serving.md, \"Fewer bytes per "
         "token\")."
@@ -144,8 +144,9 @@ EngineOpt = Annotated[
     str,
     typer.Option(
         help="Language models: the engine that generates: auto, gpuwise, vllm, llama.cpp. auto: vLLM on CUDA "
-        "where it is installed; on a CPU llama.cpp for a quantized GGUF (the named bases) at --max-seqs 1 "
-        "where it is installed, else gpuwise's own. The rule and its measurements: docs/serving.md.",
+        "where it is installed; on a CPU, for a quantized GGUF (the named bases), gpuwise's engine on its blocks, "
+        "on them in bf16, or llama.cpp where it is installed, whichever was measured least behind the fastest "
+        "from 1 to --max-seqs streams; else gpuwise's own. The rule and its measurements: docs/serving.md.",
     ),
 ]
 

