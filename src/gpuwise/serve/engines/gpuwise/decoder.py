@@ -474,8 +474,8 @@ class FusedDecoder:
             return F.embedding(ids, self.embed)
         flat = ids.reshape(-1)
         if self.attention is not None and flat.numel() <= EMBED_BY_KERNEL:
-            # a decode step's few rows: each dequantized by the kernel where it lies (0.17 ms a step to gather
-            # them into Q8_0 rows first, beside a 6-8 ms step); the same values (tests/test_quant.py)
+            # a decode step's few rows: each dequantized by the kernel where it lies, rather than gathered into
+            # Q8_0 rows first (a step's largest Python cost then); the same values (tests/test_quant.py)
             one = [self.attention.dequantize(self.embed_q, slice(i, i + 1), self.dtype) for i in flat.tolist()]
             rows = torch.cat(one) if len(one) > 1 else one[0]
         else:
@@ -514,7 +514,7 @@ class FusedDecoder:
     def _rotary_rows(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary embedding's cos and sin [n, head_dim] at positions `pos` [n], in x's dtype: rows of a table
         made once (and doubled as positions grow) where the rope's frequencies are fixed, for a step's few rows
-        (the module's own call cost about 60 us a step); each row is the module's at that position bitwise
+        (rather than the module's call, a dozen tensor ops a step); each row is the module's at that position bitwise
         (a position's angles are one product each: tests/test_decoder.py holds the step to the forward)."""
         if getattr(self.rotary, "rope_type", None) not in STATIC_ROPE:
             cos, sin = self.rotary(x.unsqueeze(1), pos.reshape(-1, 1))

@@ -371,17 +371,22 @@ struct Q4_1 : Blocks<20> {
 // call comes in. Not ggml types: 100 + the type of the blocks they interleave.
 constexpr int kQ8_0x4 = 108, kQ4_1x4 = 103;
 
-struct Q8_0x4 {
+// what both interleaved formats share: a group of 4 rows is 4 row's bytes, contiguous, in pairs of kPair bytes
+template <int64_t Bytes, bool Min>
+struct Groups {
   const uint8_t* w;
-  int64_t so;  // bytes a row holds (I / 32 * 34): a group is 4 so, contiguous
+  int64_t so;  // bytes a row holds (I / 32 * Bytes): a group is 4 so, contiguous
   static constexpr int64_t kEvery = 32;
   static constexpr bool kBlocks = true;
-  static constexpr int64_t kBytes = 34;
-  static constexpr bool kMin = false;
-  static constexpr int64_t kPair = 272;  // bytes of a group's pair of blocks
+  static constexpr int64_t kBytes = Bytes;
+  static constexpr bool kMin = Min;
+  static constexpr int64_t kPair = 8 * Bytes;  // bytes of a group's pair of blocks
   const uint8_t* pair(int64_t row, int64_t p) const { return w + (row >> 2) * 4 * so + p * kPair; }
   const void* at(int64_t row, int64_t i) const { return pair(row, i >> 6); }
   __m512 tail(int64_t, int64_t, int64_t) const { return _mm512_setzero_ps(); }
+};
+
+struct Q8_0x4 : Groups<34, false> {
   // 16 values of a row as signed bytes, from its unsigned ones at q
   static __m512 values16(const uint8_t* q) {
     const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
@@ -403,17 +408,7 @@ struct Q8_0x4 {
   static __m512i x_order(__m512i x) { return x; }
 };
 
-struct Q4_1x4 {
-  const uint8_t* w;
-  int64_t so;  // bytes a row holds (I / 32 * 20): a group is 4 so, contiguous
-  static constexpr int64_t kEvery = 32;
-  static constexpr bool kBlocks = true;
-  static constexpr int64_t kBytes = 20;
-  static constexpr bool kMin = true;
-  static constexpr int64_t kPair = 160;
-  const uint8_t* pair(int64_t row, int64_t p) const { return w + (row >> 2) * 4 * so + p * kPair; }
-  const void* at(int64_t row, int64_t i) const { return pair(row, i >> 6); }
-  __m512 tail(int64_t, int64_t, int64_t) const { return _mm512_setzero_ps(); }
+struct Q4_1x4 : Groups<20, true> {
   void decode(int64_t row, int64_t b, __m512& lo, __m512& hi, float& d, float& m) const {
     const uint8_t* p = pair(row, b >> 1);
     const int64_t r = row & 3, h = b & 1;
@@ -459,8 +454,8 @@ inline void with_weight(int fmt, const void* w, int64_t I, int64_t w_so, F&& f) 
     case kQ8_0: f(Q8_0{{b, I / 32 * 34}}); break;
     case kQ4_0: f(Q4_0{{b, I / 32 * 18}}); break;
     case kQ4_1: f(Q4_1{{b, I / 32 * 20}}); break;
-    case kQ8_0x4: f(Q8_0x4{b, I / 32 * 34}); break;
-    case kQ4_1x4: f(Q4_1x4{b, I / 32 * 20}); break;
+    case kQ8_0x4: f(Q8_0x4{{b, I / 32 * 34}}); break;
+    case kQ4_1x4: f(Q4_1x4{{b, I / 32 * 20}}); break;
     default: f(Plain<T>{static_cast<const T*>(w), w_so}); break;
   }
 }
