@@ -65,7 +65,7 @@ def ray_cluster():
     dashboard, gcs = free_port(), free_port()
     started = subprocess.run([str(ray), "start", "--head", "--num-cpus", "2", "--port", str(gcs), "--dashboard-port",
                               str(dashboard), "--include-dashboard", "true", "--disable-usage-stats"],
-                             capture_output=True, text=True, env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"),
+                             capture_output=True, text=True, env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled"),
                              timeout=180)  # fmt: skip
     assert started.returncode == 0, started.stderr[-2000:]
     try:

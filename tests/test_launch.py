@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -151,6 +152,35 @@ def test_an_engine_without_a_cluster_is_one_line(capsys, data, tmp_path, monkeyp
     port = free_port()  # nothing listens there
     one_line(capsys, ["launch", "ray", "--gpu", "cpu", "--gpus", "2", "--submit", "--address",
                       f"http://127.0.0.1:{port}", "--", *train(data)], "no Ray cluster answers", tmp_path)  # fmt: skip
+
+
+def test_a_ray_cluster_that_asks_for_a_token_is_one_line_that_says_how(capsys, data, tmp_path, monkeypatch):
+    """A dashboard with Ray's token authentication on answers 401 (its own words) to a client without the token."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Refuses(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = b"Unauthorized: Missing authentication token"
+            self.send_response(401)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_):
+            pass
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refuses)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        one_line(capsys, ["launch", "ray", "--gpu", "cpu", "--gpus", "2", "--submit", "--address",
+                          f"http://127.0.0.1:{server.server_port}", "--", *train(data)],
+                 "Missing authentication token (its token authentication: set RAY_AUTH_MODE=token",
+                 tmp_path)  # fmt: skip
+    finally:
+        server.shutdown()
 
 
 # --- the artifacts, read by each engine's own tools --------------------------------------------------------------
@@ -308,10 +338,15 @@ def ray_cluster(tmp_path_factory):
     """`ray start --head --num-cpus 2`: a real local cluster, with the Jobs API on its dashboard."""
     ray = Path(sys.executable).with_name("ray")
     dashboard, gcs = free_port(), free_port()
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    # Token auth off, said outright: a ~/.ray/auth_token left by any local ray.init() turns it on otherwise.
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
+    # Started as a cluster started in the background is (`nohup ray start`, `ray start ... &` in a script): with
+    # SIGINT ignored, which its workers inherit. A Ray task's cancel never reaches such a worker; the endpoint's
+    # stop must not need it.
     started = subprocess.run([str(ray), "start", "--head", "--num-cpus", "2", "--port", str(gcs), "--dashboard-port",
                               str(dashboard), "--include-dashboard", "true", "--disable-usage-stats"],
-                             capture_output=True, text=True, env=env, timeout=180)  # fmt: skip
+                             capture_output=True, text=True, env=env, timeout=180,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
     assert started.returncode == 0, started.stderr[-2000:]
     try:
         yield f"http://127.0.0.1:{dashboard}"

@@ -4,10 +4,10 @@
         -- serve MODEL ... --host 0.0.0.0 --port 0
 
 One placement-group bundle per replica (spread over nodes where it can be) holds the replica's GPUs and CPUs;
-a task in each runs `gpuwise serve`, which announces its address (node IP and the port it bound) in
-DIR/replica-I.json. `ray job stop` sends the driver TERM: it cancels each replica's task, whose worker then
-sends its server TERM and waits while the server drains its in-flight requests (the job's runtime_env gives
-Ray's supervisor RAY_JOB_STOP_WAIT_TIME_S for it). A server whose worker dies otherwise gets TERM too
+an actor in each runs `gpuwise serve`, which announces its address (node IP and the port it bound) in
+DIR/replica-I.json. `ray job stop` sends the driver TERM: it asks each replica's actor to stop, which sends
+its server TERM and waits while the server drains its in-flight requests (the job's runtime_env gives Ray's
+supervisor RAY_JOB_STOP_WAIT_TIME_S for it). A server whose actor dies otherwise gets TERM too
 (PR_SET_PDEATHSIG).
 """
 
@@ -20,8 +20,10 @@ import signal
 import subprocess
 import sys
 import threading
+from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -29,6 +31,7 @@ from gpuwise.launch.endpoint import DRAIN_S
 from gpuwise.launch.ray_nodes import RESERVE_TIMEOUT_S, bundle_of
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+POLL_S = 1.0
 
 
 def _term_with_parent() -> None:
@@ -36,25 +39,33 @@ def _term_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-@ray.remote
-def run_replica(serve: list[str], announce: str) -> int:
-    env = dict(os.environ, GPUWISE_ANNOUNCE_HOST=ray.util.get_node_ip_address())
-    # Ray sets OMP_NUM_THREADS to the task's CPUs; serve's own rule (plan/serving.py: compute_threads) decides,
-    # and serve --threads overrides it.
-    env.pop("OMP_NUM_THREADS", None)
-    env.pop("GPUWISE_API_KEY", None)  # the key file decides
-    cmd = [sys.executable, "-m", "gpuwise", *serve, "--announce", announce]
-    # A session of its own: a signal Ray sends the worker's group is not the server's; the worker decides.
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=_term_with_parent, start_new_session=True)
-    try:
-        while True:  # in short waits: Ray's cancel interrupts Python between them, never inside waitpid
-            try:
-                return proc.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                continue
-    except KeyboardInterrupt:  # ray.cancel: the endpoint is stopping. TERM, and the server drains.
-        proc.send_signal(signal.SIGTERM)
-        return proc.wait()
+class Replica:
+    """One replica's `gpuwise serve`. Stopped by a method call, not by `ray.cancel`: a task's cancel is a
+    KeyboardInterrupt raised through SIGINT's handler, and a cluster started in the background (`nohup ray start`,
+    `ray start ... &` in a script) hands its workers SIGINT ignored, so the cancel never arrives."""
+
+    def __init__(self, serve: list[str], announce: str):
+        env = dict(os.environ, GPUWISE_ANNOUNCE_HOST=ray.util.get_node_ip_address())
+        # Ray sets OMP_NUM_THREADS to the actor's CPUs; serve's own rule (plan/serving.py: compute_threads)
+        # decides, and serve --threads overrides it.
+        env.pop("OMP_NUM_THREADS", None)
+        env.pop("GPUWISE_API_KEY", None)  # the key file decides
+        cmd = [sys.executable, "-m", "gpuwise", *serve, "--announce", announce]
+        # A session of its own: a signal Ray sends the worker's group is not the server's; the actor decides.
+        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_term_with_parent, start_new_session=True)
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self) -> int:
+        """TERM, and wait while the server drains (uvicorn's graceful shutdown, `serve --grace`)."""
+        self.proc.send_signal(signal.SIGTERM)  # a no-op once it has exited
+        return self.proc.wait()
+
+
+def _exit(rc: int) -> str:
+    """A server's end in words: uvicorn, once drained, ends by its signal's own default (-15: SIGTERM)."""
+    return signal.Signals(-rc).name if rc < 0 else f"exit code {rc}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     serve = args.serve[1:] if args.serve[:1] == ["--"] else args.serve
     ray.init()
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())  # `ray job stop`
     bundle = bundle_of(args.cpus, args.gpus, args.accelerator_type)
     group = placement_group([bundle] * args.replicas, strategy="SPREAD")
     ready, _ = ray.wait([group.ready()], timeout=RESERVE_TIMEOUT_S)
@@ -76,27 +89,43 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 1
     plain = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
-    runs = [
-        run_replica.options(
+    actor: Any = ray.remote(Replica)  # Ray's stubs type neither an actor class's options nor its handles' methods
+    replicas = {
+        i: actor.options(
             num_cpus=args.cpus,
             num_gpus=args.gpus,
             resources=plain,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+            max_restarts=0,  # a server that died is reported, not started again behind the record's back
         ).remote(serve, os.path.join(args.run_dir, f"replica-{i}.json"))
         for i in range(args.replicas)
-    ]
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())  # `ray job stop`
-    pending, codes = list(runs), []
-    while pending and not stopping.is_set():
-        done, pending = ray.wait(pending, timeout=1)
-        codes += ray.get(done)
+    }
+    codes: dict[int, int] = {}
+    while len(codes) < len(replicas) and not stopping.wait(POLL_S):
+        for i, replica in replicas.items():
+            if i in codes:
+                continue
+            try:
+                rc = ray.get(replica.poll.remote())
+            except RayActorError as e:  # its node or worker died: the server went with it (PR_SET_PDEATHSIG)
+                print(f"gpuwise: replica {i} is lost: {str(e).splitlines()[0]}", file=sys.stderr)
+                rc = 1
+            if rc is not None:
+                print(f"gpuwise: replica {i}'s server exited ({_exit(rc)})", file=sys.stderr)
+                codes[i] = rc
     if stopping.is_set():
-        for ref in pending:
-            ray.cancel(ref, force=False)  # KeyboardInterrupt in the task: it has its server drain
-        ray.wait(pending, num_returns=len(pending), timeout=DRAIN_S + 10)
+        running = {i: r for i, r in replicas.items() if i not in codes}
+        print(f"gpuwise: stopping: TERM to {len(running)} replica(s), each draining for up to {DRAIN_S} s",
+              file=sys.stderr)  # fmt: skip
+        stops = {i: r.stop.remote() for i, r in running.items()}
+        ready, _ = ray.wait(list(stops.values()), num_returns=len(stops), timeout=DRAIN_S + 10)
+        for i, ref in stops.items():
+            try:
+                print(f"gpuwise: replica {i} stopped ({_exit(ray.get(ref, timeout=0))})", file=sys.stderr)
+            except (GetTimeoutError, RayActorError) as e:
+                print(f"gpuwise: replica {i} did not stop in {DRAIN_S + 10} s: {type(e).__name__}", file=sys.stderr)
         return 0
-    return next((1 if rc < 0 else rc for rc in codes if rc), 0)
+    return next((1 if rc < 0 else rc for rc in codes.values() if rc), 0)
 
 
 if __name__ == "__main__":

@@ -45,8 +45,15 @@ def _client(address: str):
         raise GpuwiseError(
             "--submit needs Ray's Jobs client: pip install 'ray[default]' (in gpuwise's environment)"
         ) from None
+    from ray.exceptions import AuthenticationError
+
     try:
         return JobSubmissionClient(address)
+    except AuthenticationError as e:  # Ray's own message is a paragraph; what it said and the way in, in one line
+        raise GpuwiseError(
+            f"the Ray cluster at {address} refused gpuwise: {first_line(e)} (its token authentication: set "
+            "RAY_AUTH_MODE=token, with the cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN)"
+        ) from None
     except Exception as e:  # noqa: BLE001 - no cluster there: Ray's ConnectionError, as one line
         raise GpuwiseError(
             f"no Ray cluster answers at {address}: {first_line(e)} (start one: ray start --head)"
