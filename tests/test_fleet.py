@@ -63,10 +63,11 @@ def ray_cluster():
 
     ray = Path(sys.executable).with_name("ray")
     dashboard, gcs = free_port(), free_port()
+    # token auth off, said outright: a ~/.ray/auth_token left by any local ray.init() turns it on otherwise
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled")
     started = subprocess.run([str(ray), "start", "--head", "--num-cpus", "2", "--port", str(gcs), "--dashboard-port",
                               str(dashboard), "--include-dashboard", "true", "--disable-usage-stats"],
-                             capture_output=True, text=True, env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled"),
-                             timeout=180)  # fmt: skip
+                             capture_output=True, text=True, env=env, timeout=180)  # fmt: skip
     assert started.returncode == 0, started.stderr[-2000:]
     try:
         yield f"http://127.0.0.1:{dashboard}"
