@@ -125,6 +125,24 @@ def test_four_rows_interleaved_are_the_same_bytes_and_the_same_products(kernel, 
         assert not interleave(quantize(torch.randn(*shape), fmt)).fmt.interleaved
 
 
+@pytest.mark.parametrize("rows", [9, 45, 200])
+def test_a_plain_bf16_product_of_many_rows_on_amx_reads_the_weight_as_stored(kernel, rows):
+    """Where AMX's tiles are granted, the kernel takes a plain bf16 weight at any number of rows: its rows are the
+    tiles' A operand as they are stored (a last part of fewer than 32 rows copied beside zeros), fp32 sums, one
+    rounding to bf16. Bound: the output's rounding, 2^-8 of the largest output (measured up to 3.0e-3). 200 x 608:
+    6 tasks of 32 rows and a part of 8; 19 blocks a row; 45 rows: a group of 16 input rows and a part."""
+    if not kernel.amx:
+        pytest.skip("AMX's tiles are not granted here")
+    torch.manual_seed(rows)
+    x, w, bias = (torch.randn(*s).to(torch.bfloat16) for s in ((rows, 608), (200, 608), (200,)))
+    got = kernel.gemv(x, w, bias)
+    expected = x.float() @ w.float().T + bias.float()
+    off = float((got.float() - expected).abs().max() / expected.abs().max())
+    assert got.shape == (rows, 200) and got.dtype == torch.bfloat16 and off <= 2**-8, off
+    with pytest.raises(ValueError):  # rows not of whole blocks: the tiles do not take them past GEMV_ROWS
+        kernel.gemv(torch.randn(rows, 600).to(torch.bfloat16), torch.randn(200, 600).to(torch.bfloat16))
+
+
 def test_the_kernel_uses_what_this_cpu_has():
     """VNNI's int8 dot products and AMX's tiles are compiled in where the CPU has them (attention.FLAGS), and AMX
     is taken only where it is built in (and Linux grants its tile state): a build that silently lost them would

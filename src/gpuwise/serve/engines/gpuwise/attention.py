@@ -168,17 +168,20 @@ class DecodeAttention:
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear(x, weight, bias) for x [..., I] of at most GEMV_ROWS rows (a decode step's), weight [O, I]
-        with contiguous rows, all of one dtype (fp32 or bf16): the weight read once, at the memory's speed."""
+        with contiguous rows, all of one dtype (fp32 or bf16): the weight read once, at the memory's speed. In
+        bf16 where AMX's tiles are granted (`amx`) and I is whole blocks of 32, any number of rows: on the tiles,
+        the weight's rows read as they are stored."""
         width = x.shape[-1]
         outs = weight.shape[0]
         rows = x.numel() // width if width else 0
+        most = GEMV_ROWS if not (self.amx and x.dtype == torch.bfloat16 and width % 32 == 0) else rows
         if (
             x.dtype != weight.dtype
             or x.dtype not in DTYPES
             or weight.dim() != 2
             or weight.shape[1] != width
             or weight.stride(1) != 1
-            or not 1 <= rows <= GEMV_ROWS
+            or not 1 <= rows <= most
             or (bias is not None and (bias.dtype != x.dtype or bias.shape != (outs,) or not bias.is_contiguous()))
         ):
             raise ValueError(f"gemv: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")

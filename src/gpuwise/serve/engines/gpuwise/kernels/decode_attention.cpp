@@ -890,28 +890,93 @@ inline void transpose16(__m512i r[16]) {
 }
 
 // x [M, I] as AMX's B operand, once a product: per block of 32 values and group of 16 rows a 16 x 16 tile of pairs
-// of values, t[r][m] = (x[m][2r], x[m][2r + 1]); rows past M are zeros
+// of values, t[r][m] = (x[m][2r], x[m][2r + 1]); rows past M are zeros. A group's block is its 16 rows' 64 bytes
+// seen as 16 x 16 pairs, transposed in registers.
 inline void x_tiles(const c10::BFloat16* x, int64_t M, int64_t I, uint32_t* t) {
   const int64_t groups = (M + 15) / 16, nb = I / 32;
-  std::memset(t, 0, nb * groups * 1024);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t kb = 0; kb < nb; ++kb) {
-      uint32_t* tile = t + (kb * groups + m / 16) * 256 + m % 16;
-      for (int64_t r = 0; r < 16; ++r) std::memcpy(tile + r * 16, x + m * I + kb * 32 + 2 * r, 4);
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n = std::min<int64_t>(16, M - g * 16);
+      for (int64_t kb = 0; kb < nb; ++kb) {
+        __m512i r[16];
+        for (int64_t m = 0; m < 16; ++m)
+          r[m] = m < n ? _mm512_loadu_si512(x + (g * 16 + m) * I + kb * 32) : _mm512_setzero_si512();
+        transpose16(r);
+        uint32_t* tile = t + (kb * groups + g) * 256;
+        for (int64_t k = 0; k < 16; ++k) _mm512_storeu_si512(tile + k * 16, r[k]);
+      }
     }
+  });
+}
+
+// One task's products: every group of 16 input rows by its 32 weight rows, whose A tiles `a(kb, half)` gives
+// (16 rows of a block's 32 bf16 values, and their stride in bytes), the results transposed into rows of out.
+template <typename A>
+inline void amx_task(const uint32_t* xt, const A& a, const c10::BFloat16* bias, c10::BFloat16* out, int64_t M,
+                     int64_t O, int64_t nb, int64_t o0, int64_t cols) {
+  const int64_t groups = (M + 15) / 16;
+  alignas(64) float c[256];
+  for (int64_t g = 0; g < groups; g += 2) {  // two groups of 16 input rows a pass: four result tiles
+    const bool two = g + 1 < groups;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < nb; ++kb) {
+      const auto [w0, s0] = a(kb, 0);
+      const auto [w1, s1] = a(kb, 1);
+      _tile_loadd(4, w0, s0);  // weight rows 0-15
+      _tile_loadd(5, w1, s1);  // weight rows 16-31
+      _tile_loadd(6, xt + (kb * groups + g) * 256, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 5, 6);
+      if (two) {
+        _tile_loadd(7, xt + (kb * groups + g + 1) * 256, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    for (int t = 0; t < (two ? 4 : 2); ++t) {  // result t: weight rows (t % 2) * 16 ..., input group g + t / 2
+      const int64_t half = t % 2, first = (g + t / 2) * 16, n = std::min<int64_t>(16, M - first);
+      if (half * 16 >= cols) continue;
+      switch (t) {  // the tile's number is part of the instruction
+        case 0: _tile_stored(0, c, 64); break;
+        case 1: _tile_stored(1, c, 64); break;
+        case 2: _tile_stored(2, c, 64); break;
+        default: _tile_stored(3, c, 64); break;
+      }
+      __m512i r[16];  // c[weight row][input row] turned to [input row][weight row]: a row of the output
+      for (int k = 0; k < 16; ++k) r[k] = _mm512_load_si512(c + k * 16);
+      transpose16(r);
+      const int64_t count = std::min<int64_t>(16, cols - half * 16);
+      const __mmask16 keep = static_cast<__mmask16>((1u << count) - 1);
+      const __m512 bv = bias ? load_tail(bias + o0 + half * 16, count) : _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; ++j) {
+        alignas(64) c10::BFloat16 row[16];
+        store16(row, _mm512_add_ps(_mm512_castsi512_ps(r[j]), bv));
+        _mm256_mask_storeu_epi16(out + (first + j) * O + o0 + half * 16, keep,
+                                 _mm256_load_si256(reinterpret_cast<const __m256i*>(row)));
+      }
+    }
+  }
+}
+
+using TileRef = std::pair<const void*, int64_t>;
+
+inline void amx_config() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
 }
 
 template <typename W>
 void amx_blocks(const uint32_t* xt, const W& w, const c10::BFloat16* bias, c10::BFloat16* out, int64_t M, int64_t O,
                 int64_t I, int64_t begin, int64_t end) {
-  const int64_t nb = I / 32, groups = (M + 15) / 16;
+  const int64_t nb = I / 32;
   // the A operand: per block of 32 values and tile of 16 weight rows, the rows' 32 values (1 KB, contiguous),
   // each rounded to bf16 as store16 rounds (AVX512-BF16's conversion: to nearest even)
   std::vector<c10::BFloat16> a(nb * 2 * 16 * 32);
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
-  _tile_loadconfig(&config);
-  alignas(64) float c[256];
+  amx_config();
   for (int64_t task = begin; task < end; ++task) {
     const int64_t o0 = task * kAmxCols, cols = std::min(kAmxCols, O - o0);
     if (task + 1 < end) {  // the next task's rows (contiguous) asked for now, for the same reason as kAhead
@@ -931,65 +996,63 @@ void amx_blocks(const uint32_t* xt, const W& w, const c10::BFloat16* bias, c10::
         }
         _mm512_storeu_si512(a.data() + ((kb * 2 + row / 16) * 16 + row % 16) * 32, v);
       }
-    for (int64_t g = 0; g < groups; g += 2) {  // two groups of 16 input rows a pass: four result tiles
-      const bool two = g + 1 < groups;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t kb = 0; kb < nb; ++kb) {
-        _tile_loadd(4, a.data() + kb * 2 * 512, 64);  // weight rows 0-15
-        _tile_loadd(5, a.data() + (kb * 2 + 1) * 512, 64);  // weight rows 16-31
-        _tile_loadd(6, xt + (kb * groups + g) * 256, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 5, 6);
-        if (two) {
-          _tile_loadd(7, xt + (kb * groups + g + 1) * 256, 64);
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-      }
-      for (int t = 0; t < (two ? 4 : 2); ++t) {  // result t: weight rows (t % 2) * 16 ..., input group g + t / 2
-        const int64_t half = t % 2, first = (g + t / 2) * 16, n = std::min<int64_t>(16, M - first);
-        if (half * 16 >= cols) continue;
-        switch (t) {  // the tile's number is part of the instruction
-          case 0: _tile_stored(0, c, 64); break;
-          case 1: _tile_stored(1, c, 64); break;
-          case 2: _tile_stored(2, c, 64); break;
-          default: _tile_stored(3, c, 64); break;
-        }
-        __m512i r[16];  // c[weight row][input row] turned to [input row][weight row]: a row of the output
-        for (int k = 0; k < 16; ++k) r[k] = _mm512_load_si512(c + k * 16);
-        transpose16(r);
-        const int64_t count = std::min<int64_t>(16, cols - half * 16);
-        const __mmask16 keep = static_cast<__mmask16>((1u << count) - 1);
-        const __m512 bv = bias ? load_tail(bias + o0 + half * 16, count) : _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; ++j) {
-          alignas(64) c10::BFloat16 row[16];
-          store16(row, _mm512_add_ps(_mm512_castsi512_ps(r[j]), bv));
-          _mm256_mask_storeu_epi16(out + (first + j) * O + o0 + half * 16, keep,
-                                   _mm256_load_si256(reinterpret_cast<const __m256i*>(row)));
-        }
-      }
-    }
+    amx_task(xt, [&](int64_t kb, int64_t half) { return TileRef(a.data() + (kb * 2 + half) * 512, 64); }, bias, out,
+             M, O, nb, o0, cols);
   }
   _tile_release();
 }
 
-// the product on AMX where it takes it (bf16, a block format, kAmxRows rows or more, the tiles granted): whether
-// it did
+// The same for a plain bf16 weight, with no copy: its rows are the A operand as they are stored (a tile load takes
+// 16 rows of 64 bytes at the row stride), but for a last task of fewer than 32 rows, copied beside zeros. That
+// lets a bf16 model's products of many rows go without a library's packed copy of its weights.
+void amx_plain(const uint32_t* xt, const c10::BFloat16* w, int64_t so, const c10::BFloat16* bias,
+               c10::BFloat16* out, int64_t M, int64_t O, int64_t I, int64_t begin, int64_t end) {
+  const int64_t nb = I / 32;
+  std::vector<c10::BFloat16> a;
+  amx_config();
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t o0 = task * kAmxCols, cols = std::min(kAmxCols, O - o0);
+    if (task + 1 < end) {  // the next task's 32 rows, into L2 while this one multiplies
+      for (int64_t row = o0 + kAmxCols; row < std::min(O, o0 + 2 * kAmxCols); ++row)
+        for (int64_t i = 0; i < I; i += 32) _mm_prefetch(reinterpret_cast<const char*>(w + row * so + i), _MM_HINT_T1);
+    }
+    if (cols == kAmxCols) {
+      amx_task(xt, [&](int64_t kb, int64_t half) { return TileRef(w + (o0 + half * 16) * so + kb * 32, so * 2); },
+               bias, out, M, O, nb, o0, cols);
+      continue;
+    }
+    a.assign(nb * 2 * 16 * 32, c10::BFloat16(0.0f));
+    for (int64_t row = 0; row < cols; ++row)
+      for (int64_t kb = 0; kb < nb; ++kb)
+        std::memcpy(a.data() + ((kb * 2 + row / 16) * 16 + row % 16) * 32, w + (o0 + row) * so + kb * 32, 64);
+    amx_task(xt, [&](int64_t kb, int64_t half) { return TileRef(a.data() + (kb * 2 + half) * 512, 64); }, bias, out,
+             M, O, nb, o0, cols);
+  }
+  _tile_release();
+}
+
+// the product on AMX where it takes it (bf16, kAmxRows rows or more, rows of whole blocks, the tiles granted):
+// whether it did
 template <typename T>
-bool amx_gemv(int fmt, const T* x, const void* w, const T* bias, T* out, int64_t M, int64_t O, int64_t I) {
+bool amx_gemv(int fmt, const T* x, const void* w, const T* bias, T* out, int64_t M, int64_t O, int64_t I,
+              int64_t w_so) {
   if constexpr (!std::is_same<T, c10::BFloat16>::value) {
     return false;
   } else {
-    if (fmt == kPlain || M < kAmxRows || !amx_usable()) return false;
+    if (M < kAmxRows || I % 32 || !amx_usable()) return false;
     std::vector<uint32_t> xt((I / 32) * ((M + 15) / 16) * 256);
     x_tiles(x, M, I, xt.data());
+    const int64_t tasks = (O + kAmxCols - 1) / kAmxCols;
+    if (fmt == kPlain) {
+      at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+        amx_plain(xt.data(), static_cast<const T*>(w), w_so, bias, out, M, O, I, begin, end);
+      });
+      return true;
+    }
     with_weight<T>(fmt, w, I, I, [&](auto wv) {
       using W = decltype(wv);
       if constexpr (W::kBlocks) {
-        at::parallel_for(0, (O + kAmxCols - 1) / kAmxCols, 1, [&](int64_t begin, int64_t end) {
+        at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
           amx_blocks(xt.data(), wv, bias, out, M, O, I, begin, end);
         });
       }
@@ -999,7 +1062,7 @@ bool amx_gemv(int fmt, const T* x, const void* w, const T* bias, T* out, int64_t
 }
 #else
 template <typename T>
-bool amx_gemv(int, const T*, const void*, const T*, T*, int64_t, int64_t, int64_t) {
+bool amx_gemv(int, const T*, const void*, const T*, T*, int64_t, int64_t, int64_t, int64_t) {
   return false;
 }
 inline bool amx_usable() { return false; }
@@ -1007,7 +1070,7 @@ inline bool amx_usable() { return false; }
 
 template <typename T>
 void gemv(int fmt, const T* x, const void* w, const T* bias, T* out, int64_t M, int64_t O, int64_t I, int64_t w_so) {
-  if (amx_gemv(fmt, x, w, bias, out, M, O, I)) return;
+  if (amx_gemv(fmt, x, w, bias, out, M, O, I, w_so)) return;
   std::vector<float> xf(M * I);
   for (int64_t j = 0; j < M * I; ++j) xf[j] = static_cast<float>(x[j]);
   ActBuffers buffers;
@@ -1272,12 +1335,15 @@ int gpuwise_caps() {
 }
 
 // dtype: 0 float32, 1 bfloat16 (x, bias, out); fmt: the weight's format (kPlain: dtype's, row stride w_so; or
-// kQ8_0, kQ4_0, kQ4_1, I a multiple of 32); bias may be null. M up to kMaxRows for a plain weight, any M for a
-// block format. Returns 0, or 1 when the shapes are not ones it takes.
+// kQ8_0, kQ4_0, kQ4_1, I a multiple of 32); bias may be null. M up to kMaxRows for a plain weight (any M in bf16
+// where AMX takes it, I a multiple of 32), any M for a block format. Returns 0, or 1 when the shapes are not ones
+// it takes.
 int gpuwise_gemv(int dtype, int fmt, const void* x, const void* w, const void* bias, void* out, int64_t M, int64_t O,
                  int64_t I, int64_t w_so) {
   if (M < 1 || O < 1 || I < 1 || !known_format(fmt)) return 1;
-  if (fmt == kPlain ? (M > kMaxRows || w_so < I) : !takes_shape(fmt, O, I)) return 1;
+  // a plain weight: up to kMaxRows rows, or more in bf16 on AMX's tiles (rows of whole blocks)
+  const bool plain_amx = dtype == 1 && I % 32 == 0 && amx_usable();
+  if (fmt == kPlain ? ((M > kMaxRows && !plain_amx) || w_so < I) : !takes_shape(fmt, O, I)) return 1;
   if (dtype == 0) {
     gemv(fmt, static_cast<const float*>(x), w, static_cast<const float*>(bias), static_cast<float*>(out), M, O, I,
          w_so);
