@@ -5,8 +5,7 @@ through the same engine, in fp32 and in bf16, the linears of both packed as `gpu
 attention instead of serve/engines/gpuwise/attention.py's kernel, with each layer's ops from Python instead of the
 whole-step
 kernel, and with those ops' products by oneDNN instead of the product kernel: the last two are the decode step
-before issue #37; and with its products of 9-32 rows by oneDNN's packed copy rather than AMX's tiles on the plain
-weight), and transformers' `generate` at the same batch.
+before issue #37), and transformers' `generate` at the same batch.
 
 Run: .venv/bin/python benchmarks/engine_step.py [--batches 1,8,32] [--rounds 3] [--steps 16] [--lora 8]
      [--weights int8,int4]
@@ -102,8 +101,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
 
     def engine(model, fuse: bool = False, pack: bool = True, kernel: bool = True, step: bool = True,
-               gemv: bool = True, weights: str = "bf16", interleaved: bool = True,
-               tiles: bool = True) -> Engine:  # fmt: skip
+               gemv: bool = True, weights: str = "bf16", interleaved: bool = True) -> Engine:  # fmt: skip
         decoder = None
         if fuse:  # as `gpuwise serve` builds it: checked against transformers' at load
             model = copy.deepcopy(model)
@@ -118,9 +116,6 @@ def main() -> None:
                 for x in [y for layer in decoder.layers for y in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
                     x.kernel = None
                 decoder.head.kernel = None
-            if not tiles:  # bf16 products of 9-32 rows by oneDNN's packed copy, as before AMX's tiles took them
-                for x in [*decoder.linears(), decoder.head]:
-                    x.tile_rows = 0
             if not interleaved:  # Q8_0 read as it ships, not four rows at a time (quant.interleave)
                 for x in [*decoder.linears(), decoder.head]:
                     if x.quant is not None and x.quant.fmt.interleaved:
@@ -159,7 +154,6 @@ def main() -> None:
     variants |= {"bf16 fused SDPA": engine(bf16, fuse=True, kernel=False)}
     variants |= {"bf16 fused Python step": engine(bf16, fuse=True, step=False)}
     variants |= {"bf16 fused oneDNN products": engine(bf16, fuse=True, step=False, gemv=False)}
-    variants |= {"bf16 fused packed 9-32 rows": engine(bf16, fuse=True, tiles=False)}
     if args.weights and not args.lora:  # `gpuwise serve --weights int8|int4`: the same step on quantized weights
         variants |= {f"bf16 fused {w}": engine(bf16, fuse=True, weights=w) for w in args.weights.split(",")}
         if "int8" in args.weights.split(","):
@@ -251,9 +245,6 @@ def main() -> None:
                 line += f", {held / 1e6:.0f} MB read at {held / k / 1e9:.1f} GB/s ({held / k / 1e9 / read:.0%} of"
                 line += " weight_read's over as many)"
             print(line)
-        if b > 8:  # the tiles take 9-32 rows (decoder.PLAIN_AMX_ROWS) where AMX is granted
-            gain = med["bf16 fused packed 9-32 rows"] / med["bf16 fused"]
-            print(f"batch {b}: bf16 fused, products on AMX's tiles / on oneDNN's packed copy = {gain:.2f}x")
         if "bf16 fused int8 as shipped" in med:
             gain = med["bf16 fused int8 as shipped"] / med["bf16 fused int8"]
             print(f"batch {b}: bf16 fused int8, Q8_0 interleaved / as shipped = {gain:.2f}x")

@@ -14,7 +14,6 @@ from test_decoder import prefill_then_step, tiny
 
 from gpuwise.serve.engines.gpuwise import attention
 from gpuwise.serve.engines.gpuwise import decoder as fused
-from gpuwise.serve.engines.gpuwise.packed import packing
 from gpuwise.serve.engines.gpuwise.quant import FORMATS, INTERLEAVED, WEIGHTS, dequantize, interleave, quantize
 
 
@@ -142,28 +141,6 @@ def test_a_plain_bf16_product_of_many_rows_on_amx_reads_the_weight_as_stored(ker
     assert got.shape == (rows, 200) and got.dtype == torch.bfloat16 and off <= 2**-8, off
     with pytest.raises(ValueError):  # rows not of whole blocks: the tiles do not take them past GEMV_ROWS
         kernel.gemv(torch.randn(rows, 600).to(torch.bfloat16), torch.randn(200, 600).to(torch.bfloat16))
-
-
-@pytest.mark.parametrize("rows", [2, 8, 9, 32, 33])
-def test_a_bf16_layer_takes_9_to_32_rows_on_the_tiles_and_the_rest_as_before(kernel, rows, monkeypatch):
-    """The engine's bf16 product (decoder._Linear, packed for oneDNN): 9 to PLAIN_AMX_ROWS rows go to AMX's tiles
-    on the plain weight where they are granted; fewer (the step kernel's own or the product kernel's) and more
-    (oneDNN's packed copy) as before. Either way within bf16's output rounding of the exact product."""
-    if not kernel.amx:
-        pytest.skip("AMX's tiles are not granted here")
-    torch.manual_seed(rows)
-    w, bias = torch.randn(200, 608).bfloat16(), torch.randn(200).bfloat16()
-    layer = fused._Linear(w, bias, packing("cpu", torch.bfloat16), kernel)
-    tiles = []
-    real = kernel.gemv
-    monkeypatch.setattr(kernel, "gemv", lambda x, *a: (tiles.append(x.shape[0]), real(x, *a))[1])
-    x = torch.randn(rows, 608).bfloat16()
-    got = layer(x)
-    expected = x.float() @ w.float().T + bias.float()
-    off = float((got.float() - expected).abs().max() / expected.abs().max())
-    assert got.shape == (rows, 200) and off <= 2**-8, off
-    on_tiles = attention.GEMV_ROWS < rows <= fused.PLAIN_AMX_ROWS
-    assert tiles == ([rows] if on_tiles or rows <= attention.GEMV_ROWS_ALONE else []), tiles
 
 
 def test_the_kernel_uses_what_this_cpu_has():

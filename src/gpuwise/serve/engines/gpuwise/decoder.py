@@ -110,9 +110,6 @@ def unsupported(model) -> str | None:
 # crossovers, measured: docs/serving.md, "Fewer bytes per token".
 LIBRARY_ROWS = 16
 AMX_ROWS = 128
-# A plain bf16 weight's products of more rows than the step kernel takes, up to this many, on AMX's tiles reading
-# the weight as stored (a stream's worth of steps: 9-32 streams); beyond, oneDNN's packed copy is the faster.
-PLAIN_AMX_ROWS = 32
 # rope types whose frequencies do not change with the sequence's length (transformers' ROPE_INIT_FUNCTIONS; the
 # dynamic ones recompute them): their cos and sin at a position can be kept
 STATIC_ROPE = ("default", "linear", "llama3")
@@ -148,9 +145,9 @@ class _Linear:
     """One product, packed where `pack` names a packing (packed.py), and its LoRA adapters' low-rank
     updates: per adapter, the products A and B (the scaling folded into B). With `kernel` (attention.py),
     a product of at most GEMV_ROWS_ALONE rows is the kernel's, which reads the plain weight once at the memory's
-    speed, and the whole-step kernel reads it too; so is one in bf16 of GEMV_ROWS + 1 to PLAIN_AMX_ROWS rows where
-    AMX's tiles are granted. The plain weight is then kept beside a packed copy, for the wider products.
-    Quantized (`quantize`), the weight is held once, in a block format, and every product of it is the kernel's."""
+    speed, and the whole-step kernel reads it too: the plain weight is then kept beside a packed copy, for the
+    wider products. Quantized (`quantize`), the weight is held once, in a block format, and every product
+    of it is the kernel's."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: str | None, kernel=None):
         self.bias = bias
@@ -159,7 +156,6 @@ class _Linear:
         dropped = self.packed is not None and self.packed.weight is None
         self.weight: torch.Tensor | None = None if dropped and self.kernel is None else weight
         self.quant: QuantWeight | None = None
-        self.tile_rows = PLAIN_AMX_ROWS  # (benchmarks/engine_step.py sets 0 to time the packed copy there instead)
         self.loras: dict[str, tuple[_Linear, _Linear]] = {}
 
     def quantize(self, fmt: str, shipped: QuantWeight | None = None) -> bool:
@@ -189,7 +185,7 @@ class _Linear:
     def __call__(self, x: torch.Tensor, groups: Groups = ()) -> torch.Tensor:
         if self.quant is not None:
             out = self._qgemv(x)
-        elif self.kernel is not None and (x.numel() <= GEMV_ROWS_ALONE * x.shape[-1] or self._on_tiles(x)):
+        elif self.kernel is not None and x.numel() <= GEMV_ROWS_ALONE * x.shape[-1]:
             out = self._gemv(x)
         elif self.packed is not None:
             out = self.packed(x)
@@ -206,12 +202,6 @@ class _Linear:
             else:
                 out.index_add_(0, rows, b(a(x[rows])))
         return out
-
-    def _on_tiles(self, x: torch.Tensor) -> bool:
-        assert self.kernel is not None
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        return (self.kernel.amx and x.dtype == torch.bfloat16 and GEMV_ROWS < rows <= self.tile_rows
-                and x.shape[-1] % 32 == 0)  # fmt: skip
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None and self.kernel is not None

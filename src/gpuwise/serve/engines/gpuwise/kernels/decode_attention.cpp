@@ -911,9 +911,9 @@ inline void x_tiles(const c10::BFloat16* x, int64_t M, int64_t I, uint32_t* t) {
 
 // One task's products: every group of 16 input rows by its 32 weight rows, whose A tiles `a(kb, half)` gives
 // (16 rows of a block's 32 bf16 values, and their stride in bytes), the results transposed into rows of out.
-template <typename A, typename P = void (*)(int64_t)>
+template <typename A>
 inline void amx_task(const uint32_t* xt, const A& a, const c10::BFloat16* bias, c10::BFloat16* out, int64_t M,
-                     int64_t O, int64_t nb, int64_t o0, int64_t cols, P ahead = [](int64_t) {}) {
+                     int64_t O, int64_t nb, int64_t o0, int64_t cols) {
   const int64_t groups = (M + 15) / 16;
   alignas(64) float c[256];
   for (int64_t g = 0; g < groups; g += 2) {  // two groups of 16 input rows a pass: four result tiles
@@ -923,7 +923,6 @@ inline void amx_task(const uint32_t* xt, const A& a, const c10::BFloat16* bias, 
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t kb = 0; kb < nb; ++kb) {
-      if (g == 0) ahead(kb);
       const auto [w0, s0] = a(kb, 0);
       const auto [w1, s1] = a(kb, 1);
       _tile_loadd(4, w0, s0);  // weight rows 0-15
@@ -1013,15 +1012,13 @@ void amx_plain(const uint32_t* xt, const c10::BFloat16* w, int64_t so, const c10
   amx_config();
   for (int64_t task = begin; task < end; ++task) {
     const int64_t o0 = task * kAmxCols, cols = std::min(kAmxCols, O - o0);
-    // the next task's rows, a block at a time as this one reads its own: into L2 ahead of their tile loads
-    const int64_t next_end = task + 1 < end ? std::min(O, o0 + 2 * kAmxCols) : 0;
-    auto ahead = [&](int64_t kb) {
-      for (int64_t row = o0 + kAmxCols; row < next_end; ++row)
-        _mm_prefetch(reinterpret_cast<const char*>(w + row * so + kb * 32), _MM_HINT_T1);
-    };
+    if (task + 1 < end) {  // the next task's 32 rows, into L2 while this one multiplies
+      for (int64_t row = o0 + kAmxCols; row < std::min(O, o0 + 2 * kAmxCols); ++row)
+        for (int64_t i = 0; i < I; i += 32) _mm_prefetch(reinterpret_cast<const char*>(w + row * so + i), _MM_HINT_T1);
+    }
     if (cols == kAmxCols) {
       amx_task(xt, [&](int64_t kb, int64_t half) { return TileRef(w + (o0 + half * 16) * so + kb * 32, so * 2); },
-               bias, out, M, O, nb, o0, cols, ahead);
+               bias, out, M, O, nb, o0, cols);
       continue;
     }
     a.assign(nb * 2 * 16 * 32, c10::BFloat16(0.0f));
