@@ -168,8 +168,7 @@ class Server:
         import uvicorn
 
         from gpuwise.serve.app import Settings, create_app, server_config
-        from gpuwise.serve.models import load_model, load_models, load_served
-        from gpuwise.train.records import is_run
+        from gpuwise.serve.models import is_run, load_model, load_models, load_served
         from gpuwise.workloads.serving import Limits
 
         limits = Limits(**settings.pop("limits", {}))

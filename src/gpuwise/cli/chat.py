@@ -73,8 +73,7 @@ def _local(target: str):
     from gpuwise.serve.llm.core import LLM
     from gpuwise.serve.llm.decode import chat_prompt
     from gpuwise.serve.llm.protocol import ChatMessage
-    from gpuwise.serve.models import load_model, load_served
-    from gpuwise.train.records import is_run
+    from gpuwise.serve.models import is_run, load_model, load_served
     from gpuwise.workloads.serving import Limits
 
     limits = Limits(max_tokens=4096, timeout_s=3600)
