@@ -20,7 +20,7 @@ from gpuwise.serve.engines.gpuwise.quant import QUANTIZED
 from gpuwise.serve.engines.llamacpp import DTYPES, LlamaCppBackend
 from gpuwise.serve.engines.vllm import VLLMBackend
 from gpuwise.serve.llm.core import LLM
-from gpuwise.train.records import open_finished
+from gpuwise.train.records import is_run, open_finished
 from gpuwise.workloads.pretrained import SCRATCH, quiet_transformers, resolve_base
 from gpuwise.workloads.serving import CausalLM, Limits, Served
 
@@ -98,10 +98,6 @@ def load_served(
 def _is_lm_run(path: Path) -> bool:
     """Whether a finished run is a language model's (served behind the OpenAI API, on any engine)."""
     return open_finished(path).workload_def().inputs == "prompts"
-
-
-def is_run(path: Path) -> bool:
-    return (path / "config.yaml").is_file()
 
 
 def is_model(ref: str) -> bool:

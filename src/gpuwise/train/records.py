@@ -189,6 +189,11 @@ def load_config(run_dir: Path, resolve: bool = True) -> TrainConfig:
     return TrainConfig.from_dict(data, where=str(path), run_dir=run_dir, resolve=resolve)
 
 
+def is_run(path: Path) -> bool:
+    """Whether `path` is a run directory (`gpuwise serve RUN` serves it; anything else names a model)."""
+    return (path / "config.yaml").is_file()
+
+
 def is_running(run_dir: Path) -> bool:
     """Whether a process holds the run's claim now (a run training, or being resumed)."""
     import fcntl

@@ -13,8 +13,7 @@ from gpuwise.plan.engines import ENGINES, auto_engine, quantized_gguf
 from gpuwise.serve.engines.llamacpp import DTYPES as LLAMA_CPP_DTYPES
 from gpuwise.serve.engines.llamacpp import find_llama_server, llama_server_version
 from gpuwise.serve.engines.vllm import find_vllm
-from gpuwise.serve.models import is_run
-from gpuwise.train.records import open_finished
+from gpuwise.train.records import is_run, open_finished
 
 DTYPES = ("auto", "fp32", "bf16", "fp16", "q8_0")  # --dtype: q8_0 is llama.cpp's alone
 
