@@ -11,7 +11,9 @@ Run: .venv/bin/python benchmarks/engine_step.py [--batches 1,8,32] [--rounds 3] 
      [--weights int8,int4]
 
 --weights: the fused bf16 step also on int8 and int4 weights (`gpuwise serve --weights`), speed-up over bf16's;
-with int8, also on its Q8_0 blocks as a GGUF ships them rather than four rows at a time (quant.interleave).
+with int8, also on its Q8_0 blocks as a GGUF ships them rather than four rows at a time (quant.interleave); on a
+CPU without AMX's tiles, with a batch of 16 or more, also with the quantized products of 16 rows or more sent to
+the library (dequantized chunks, oneDNN), as before decoder.KERNEL_ROWS.
 For each fused bf16 variant the whole-step kernel's call is also timed alone: the rest of its step is Python.
 Read them under OMP_WAIT_POLICY=PASSIVE, as `gpuwise serve` runs: with OpenMP's default, the `generate` variants
 leave its threads spinning into the next variant's step, and the short quantized steps pay most (int8 / bf16 at
@@ -86,7 +88,7 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     from gpuwise.serve.engines.gpuwise import attention
-    from gpuwise.serve.engines.gpuwise.decoder import fused_decoder
+    from gpuwise.serve.engines.gpuwise.decoder import LIBRARY_ROWS, fused_decoder
     from gpuwise.serve.engines.gpuwise.engine import Engine
     from gpuwise.serve.engines.gpuwise.packed import pack_linears, packing
     from gpuwise.workloads.pretrained import resolve_base
@@ -101,7 +103,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
 
     def engine(model, fuse: bool = False, pack: bool = True, kernel: bool = True, step: bool = True,
-               gemv: bool = True, weights: str = "bf16", interleaved: bool = True) -> Engine:  # fmt: skip
+               gemv: bool = True, weights: str = "bf16", interleaved: bool = True,
+               library_rows: int = 0) -> Engine:  # fmt: skip
         decoder = None
         if fuse:  # as `gpuwise serve` builds it: checked against transformers' at load
             model = copy.deepcopy(model)
@@ -123,6 +126,9 @@ def main() -> None:
                 if decoder.embed_q is not None:
                     decoder.embed_q = decoder.head.quant
                 decoder.step = decoder._step_pointers()
+            if library_rows:  # quantized products of this many rows on go to the library, as before quant_products.py
+                for x in [*decoder.linears(), decoder.head]:
+                    x._library_rows = lambda dtype, rows=library_rows: rows
         kw = {"max_seqs": max(batches), "kv_budget_tokens": 1 << 20, "max_queue": 1, "context": 2048}
         e = Engine(model, tok, decoder=decoder, **kw)
         e.close()  # its thread stops; the benchmark drives the steps itself
@@ -148,6 +154,7 @@ def main() -> None:
             pack_linears(model, kind)
         return model
 
+    library = attention.load()[0]
     variants = {"fp32": engine(packed(fp32)), "fp32 fused": engine(fp32, fuse=True)}
     variants |= {"fp32 fused unpacked": engine(fp32, fuse=True, pack=False)}
     variants |= {"bf16": engine(packed(bf16)), "bf16 fused": engine(bf16, fuse=True)}
@@ -158,6 +165,10 @@ def main() -> None:
         variants |= {f"bf16 fused {w}": engine(bf16, fuse=True, weights=w) for w in args.weights.split(",")}
         if "int8" in args.weights.split(","):
             variants |= {"bf16 fused int8 as shipped": engine(bf16, fuse=True, weights="int8", interleaved=False)}
+        if max(batches) >= LIBRARY_ROWS and library is not None and not library.amx:  # before KERNEL_ROWS
+            for w in args.weights.split(","):
+                before = engine(bf16, fuse=True, weights=w, library_rows=LIBRARY_ROWS)
+                variants |= {f"bf16 fused {w} library from {LIBRARY_ROWS}": before}
     generate = {"fp32 generate": fp32, "bf16 generate": bf16}
     names = list(variants) + list(generate)
     steps: dict[tuple[str, int], list[float]] = {(v, b): [] for v in names for b in batches}
@@ -165,7 +176,6 @@ def main() -> None:
     # fused variant: each call is put down to the variant running)
     kernel: dict[tuple[str, int], list[float]] = {}
     running: list[tuple[str, int] | None] = [None]
-    library = attention.load()[0]
     if library is not None:
         call = library.step_fn
 
@@ -233,7 +243,7 @@ def main() -> None:
             f" bf16 fused, whole-step kernel / Python step = {step_gain:.2f}x;"
             f" bf16 Python step, product kernel / oneDNN products = {gemv_gain:.2f}x"
         )
-        for w in [n.removeprefix("bf16 fused ") for n in med if n.startswith("bf16 fused int")]:
+        for w in [n.removeprefix("bf16 fused ") for n in med if n.startswith("bf16 fused int") and "library" not in n]:
             gain = med["bf16 fused"] / med[f"bf16 fused {w}"]
             print(f"batch {b}: bf16 fused, {w} weights / bf16 weights = {gain:.2f}x")
         for n in (n for n in med if n.startswith("bf16 fused") and (n, b) in kernel):
@@ -245,6 +255,12 @@ def main() -> None:
                 line += f", {held / 1e6:.0f} MB read at {held / k / 1e9:.1f} GB/s ({held / k / 1e9 / read:.0%} of"
                 line += " weight_read's over as many)"
             print(line)
+        for w in args.weights.split(",") if args.weights else ():
+            before = f"bf16 fused {w} library from {LIBRARY_ROWS}"
+            if before in med:
+                gain = med[before] / med[f"bf16 fused {w}"]
+                print(f"batch {b}: bf16 fused {w}, the kernel to decoder.KERNEL_ROWS / the library from"
+                      f" {LIBRARY_ROWS} rows = {gain:.2f}x")  # fmt: skip
         if "bf16 fused int8 as shipped" in med:
             gain = med["bf16 fused int8 as shipped"] / med["bf16 fused int8"]
             print(f"batch {b}: bf16 fused int8, Q8_0 interleaved / as shipped = {gain:.2f}x")

@@ -172,6 +172,26 @@ def test_a_quantized_layer_is_dequantize_then_multiply_at_few_rows_and_many(kern
     assert got.shape == (rows, 2600) and off <= 8e-3, off
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512", "amx"])
+def test_which_quantized_products_the_kernel_takes_and_which_the_library(kernel, monkeypatch, amx):
+    """The crossovers benchmarks/quant_products.py measured, as the engine asks them: bf16 products on int8
+    activations stay in the kernel to KERNEL_ROWS by format (to AMX_ROWS on AMX's tiles), fp32 ones to
+    LIBRARY_ROWS; a format without its own crossover goes as fp32's."""
+    monkeypatch.setattr(kernel, "amx", amx)
+    took: list[str] = []
+    monkeypatch.setattr(kernel, "qgemv", lambda x, q, bias=None: took.append("kernel"))
+    monkeypatch.setattr(fused._Linear, "_qlinear", lambda self, x: took.append("library"))
+    for fmt, bf16_rows in (("Q8_0", fused.KERNEL_ROWS[8]), ("Q4_1", fused.KERNEL_ROWS[3]), ("Q4_0", None)):
+        layer = fused._Linear(torch.randn(8, 64).bfloat16(), None, None, kernel)
+        layer.quantize(fmt)
+        bf16_rows = fused.AMX_ROWS + 1 if amx else bf16_rows or fused.LIBRARY_ROWS
+        for dtype, most in ((torch.bfloat16, bf16_rows), (torch.float32, fused.LIBRARY_ROWS)):
+            for rows, way in ((1, "kernel"), (most - 1, "kernel"), (most, "library")):
+                took.clear()
+                layer(torch.zeros(rows, 64, dtype=dtype))
+                assert took == [way], (fmt, dtype, rows)
+
+
 def test_the_quantized_product_refuses_what_it_does_not_take(kernel):
     q = quantize(torch.randn(8, 64), "Q8_0")
     with pytest.raises(ValueError, match="qgemv"):

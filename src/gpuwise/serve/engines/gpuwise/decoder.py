@@ -105,10 +105,13 @@ def unsupported(model) -> str | None:
 
 
 # Quantized products of this many rows or more go to the library a chunk of weight rows at a time (`_qlinear`);
-# below, the kernel's own (int8 activations in bf16). In bf16 where the CPU has AMX, the kernel's up to AMX_ROWS
-# rows too (from 9 rows, on AMX's tiles), where it outran the library; beyond, the library's blocking wins. The
-# crossovers, measured: docs/serving.md, "Fewer bytes per token".
+# below, the kernel's own. In fp32 the kernel's products are fp32 and the library's blocking wins from LIBRARY_ROWS.
+# In bf16 the kernel's are int8 activations' integer dot products (VNNI), which keep up with the library's to more
+# rows, by the format's ggml type (KERNEL_ROWS; others LIBRARY_ROWS); and where the CPU has AMX, the kernel's
+# up to AMX_ROWS (from 9 rows, on AMX's tiles), where it outran the library. The crossovers, measured
+# (benchmarks/quant_products.py): docs/serving.md, "Fewer bytes per token".
 LIBRARY_ROWS = 16
+KERNEL_ROWS = {8: 128, 3: 64}  # Q8_0, Q4_1 (also as quant.interleave lays them out)
 AMX_ROWS = 128
 # rope types whose frequencies do not change with the sequence's length (transformers' ROPE_INIT_FUNCTIONS; the
 # dynamic ones recompute them): their cos and sin at a position can be kept
@@ -217,8 +220,7 @@ class _Linear:
         if self.kernel is not None:
             try:
                 rows = x.numel() // x.shape[-1]
-                amx = self.kernel.amx and x.dtype == torch.bfloat16 and rows <= AMX_ROWS
-                if rows >= LIBRARY_ROWS and not amx:
+                if rows >= self._library_rows(x.dtype):
                     return self._qlinear(x)
                 return self.kernel.qgemv(x, self.quant, self.bias)
             except (ValueError, RuntimeError) as e:
@@ -227,10 +229,19 @@ class _Linear:
         # no copy kept: dequantized for this product only (slow, but the answer is the same)
         return F.linear(x, dequantize(self.quant, x.dtype), self.bias)
 
+    def _library_rows(self, dtype: torch.dtype) -> int:
+        """The rows from which this quantized product is the library's (`_qlinear`) rather than the kernel's."""
+        assert self.quant is not None and self.kernel is not None
+        if dtype != torch.bfloat16:
+            return LIBRARY_ROWS
+        if self.kernel.amx:
+            return AMX_ROWS + 1
+        return KERNEL_ROWS.get(self.quant.fmt.ggml_type, LIBRARY_ROWS)
+
     def _qlinear(self, x: torch.Tensor) -> torch.Tensor:
         """A product of many rows (a prompt's, many streams'): CHUNK_ROWS of the weight's rows at a time
         dequantized into the cache and multiplied by the library's product (oneDNN's AMX or AVX-512 kernels),
-        which outruns the kernel's own fp32 products there (LIBRARY_ROWS)."""
+        which outruns the kernel's own products there (`_library_rows`)."""
         assert self.quant is not None and self.kernel is not None
         out = torch.empty((*x.shape[:-1], self.quant.rows), dtype=x.dtype)
         scratch = _scratch(x.dtype, CHUNK_ROWS * self.quant.cols)
