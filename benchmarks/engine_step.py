@@ -5,7 +5,8 @@ through the same engine, in fp32 and in bf16, the linears of both packed as `gpu
 attention instead of serve/engines/gpuwise/attention.py's kernel, with each layer's ops from Python instead of the
 whole-step
 kernel, and with those ops' products by oneDNN instead of the product kernel: the last two are the decode step
-before issue #37), and transformers' `generate` at the same batch.
+before issue #37; and with its plain weights as stored rather than four rows at a time, quant.interleave_rows), and
+transformers' `generate` at the same batch.
 
 Run: .venv/bin/python benchmarks/engine_step.py [--batches 1,8,32] [--rounds 3] [--steps 16] [--lora 8]
      [--weights int8,int4]
@@ -119,7 +120,14 @@ def main() -> None:
                 for x in [y for layer in decoder.layers for y in (layer.qkv, layer.o, layer.gate_up, layer.down)]:
                     x.kernel = None
                 decoder.head.kernel = None
-            if not interleaved:  # Q8_0 read as it ships, not four rows at a time (quant.interleave)
+            if not interleaved and weights == "bf16":  # the plain weights as stored, not four rows at a time
+                for x in [*decoder.linears(), decoder.head]:
+                    if x.x4:
+                        x.weight.copy_(x.plain())
+                        x.x4 = False
+                decoder.embed_x4 = False
+                decoder.step = decoder._step_pointers()
+            if not interleaved and weights != "bf16":  # Q8_0 read as it ships, not four rows at a time
                 for x in [*decoder.linears(), decoder.head]:
                     if x.quant is not None and x.quant.fmt.interleaved:
                         x.quant = x.quant.take(slice(None))
@@ -158,6 +166,7 @@ def main() -> None:
     variants = {"fp32": engine(packed(fp32)), "fp32 fused": engine(fp32, fuse=True)}
     variants |= {"fp32 fused unpacked": engine(fp32, fuse=True, pack=False)}
     variants |= {"bf16": engine(packed(bf16)), "bf16 fused": engine(bf16, fuse=True)}
+    variants |= {"bf16 fused rows as stored": engine(bf16, fuse=True, interleaved=False)}
     variants |= {"bf16 fused SDPA": engine(bf16, fuse=True, kernel=False)}
     variants |= {"bf16 fused Python step": engine(bf16, fuse=True, step=False)}
     variants |= {"bf16 fused oneDNN products": engine(bf16, fuse=True, step=False, gemv=False)}
@@ -261,6 +270,8 @@ def main() -> None:
                 gain = med[before] / med[f"bf16 fused {w}"]
                 print(f"batch {b}: bf16 fused {w}, the kernel to decoder.KERNEL_ROWS / the library from"
                       f" {LIBRARY_ROWS} rows = {gain:.2f}x")  # fmt: skip
+        gain = med["bf16 fused rows as stored"] / med["bf16 fused"]
+        print(f"batch {b}: bf16 fused, plain weights four rows at a time / as stored = {gain:.2f}x")
         if "bf16 fused int8 as shipped" in med:
             gain = med["bf16 fused int8 as shipped"] / med["bf16 fused int8"]
             print(f"batch {b}: bf16 fused int8, Q8_0 interleaved / as shipped = {gain:.2f}x")

@@ -83,14 +83,40 @@ def test_the_fused_forward_gives_transformers_logits(kind, dtype):
     off = float((got - expected).abs().max() / expected.abs().max())
     assert off <= fused.TOLERANCE[dtype], off
     # packed for oneDNN: the plain weights of the fused layers are dropped (nothing is held twice but a tied
-    # output layer), unless the decode product kernel (serve/engines/gpuwise/attention.py) reads them; for MKL (the fp32
-    # fallback) they stay, for products of few rows; the copies held twice are counted
+    # output layer), unless the decode product kernel (serve/engines/gpuwise/attention.py) reads them: then they
+    # are laid out four rows at a time for it, and transformers' modules, which no longer read them, are moved out
+    # too; for MKL (the fp32 fallback) they stay as they are, for products of few rows; the copies held twice are
+    # counted
     layer = model.model.layers[0]
     kept = decoder.head.kernel is not None
-    assert isinstance(layer.self_attn.q_proj, fused.Moved) == (pack == ONEDNN and not kept)
+    assert isinstance(layer.self_attn.q_proj, fused.Moved) == (pack == ONEDNN)
+    assert all(x.x4 == (pack == ONEDNN and kept) for x in [*decoder.linears(), decoder.head])
     products, added = decoder.packed()
     assert products == ((2 * 4 + 1) if pack else 0)
     assert (added > 0) == (pack == MKL or (pack == ONEDNN and kept))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_weights_laid_out_four_rows_at_a_time_give_the_plain_layouts_logits_bitwise(dtype, tied):
+    """The plain weights the decode kernels read, laid out four rows at a time (quant.interleave_rows), are the
+    same values read in the same order: a prefill and a decode step of 1 and 3 rows, through the whole-step kernel
+    and through the Python forward, give the plain layout's logits bitwise; an embedding tied to the output layer
+    is looked up in its layout."""
+    pack = packing("cpu", dtype)
+    model = tiny("qwen2", tie_word_embeddings=tied).to(dtype)  # qwen2: q, k and v have biases
+    plain = fused.FusedDecoder(copy.deepcopy(model), pack)
+    if plain.attention is None or pack != ONEDNN:
+        pytest.skip(f"the kernels read no plain weight beside oneDNN's copies here ({plain.why}, packing {pack})")
+    laid, note = fused.fused_decoder(model, pack)
+    assert laid is not None, note
+    assert all(x.x4 for x in [*laid.linears(), laid.head]) and not any(x.x4 for x in plain.linears())
+    assert laid.embed_x4 == tied and (laid.step is None) == (plain.step is None)
+    for n in (1, 3):
+        for use_kernel in (True, False):
+            ours = prefill_then_step(laid, model.config, dtype, n, use_kernel)
+            theirs = prefill_then_step(plain, model.config, dtype, n, use_kernel)
+            assert torch.equal(ours, theirs), (n, use_kernel, float((ours - theirs).abs().max()))
 
 
 def test_what_it_does_not_cover_is_served_by_transformers_forward():

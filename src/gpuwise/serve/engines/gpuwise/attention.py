@@ -66,6 +66,7 @@ GEMV_ROWS = 8  # kernels/decode_attention.cpp kMaxRows: the whole-step kernel's 
 # 8 rows (benchmarks/engine_step.py, docs/serving.md "One stream")
 GEMV_ROWS_ALONE = 2
 PLAIN = 0  # the kernels' weight format for a weight in the activations' own dtype (quant.py's ggml type ids else)
+PLAIN_X4 = 100  # the same laid out four rows at a time (quant.py: interleave_rows)
 
 
 class DecodeAttention:
@@ -166,15 +167,21 @@ class DecodeAttention:
             raise ValueError(f"decode attention: the kernel does not take H={H}, K={K}, D={D}")
         return out
 
-    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def gemv(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, x4: bool = False
+    ) -> torch.Tensor:
         """F.linear(x, weight, bias) for x [..., I] of at most GEMV_ROWS rows (a decode step's), weight [O, I]
         with contiguous rows, all of one dtype (fp32 or bf16): the weight read once, at the memory's speed. In
         bf16 where AMX's tiles are granted (`amx`) and I is whole blocks of 32, any number of rows: on the tiles,
-        the weight's rows read as they are stored."""
+        the weight's rows read as they are stored. `x4`: the weight is laid out four rows at a time
+        (quant.interleave_rows; O a multiple of 4, I of 32), at most GEMV_ROWS rows."""
         width = x.shape[-1]
         outs = weight.shape[0]
         rows = x.numel() // width if width else 0
-        most = GEMV_ROWS if not (self.amx and x.dtype == torch.bfloat16 and width % 32 == 0) else rows
+        amx_rows = self.amx and x.dtype == torch.bfloat16 and width % 32 == 0 and not x4
+        most = GEMV_ROWS if not amx_rows else rows
+        if x4 and (outs % 4 or width % 32 or not weight.is_contiguous()):
+            raise ValueError(f"gemv: a weight {tuple(weight.shape)} is not laid out four rows at a time")
         if (
             x.dtype != weight.dtype
             or x.dtype not in DTYPES
@@ -189,7 +196,7 @@ class DecodeAttention:
         out = torch.empty((*x.shape[:-1], outs), dtype=x.dtype)
         b = 0 if bias is None else bias.data_ptr()
         ptrs = (x.data_ptr(), weight.data_ptr(), b, out.data_ptr())
-        rc = self.gemv_fn(DTYPES[x.dtype], PLAIN, *ptrs, rows, outs, width, weight.stride(0))
+        rc = self.gemv_fn(DTYPES[x.dtype], PLAIN_X4 if x4 else PLAIN, *ptrs, rows, outs, width, weight.stride(0))
         if rc:
             raise ValueError(f"gemv: the kernel does not take {rows} x {width} by {outs} x {width}")
         return out

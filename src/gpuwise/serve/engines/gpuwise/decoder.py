@@ -31,7 +31,17 @@ from gpuwise.serve.engines.gpuwise import attention
 from gpuwise.serve.engines.gpuwise.attention import GEMV_ROWS, GEMV_ROWS_ALONE
 from gpuwise.serve.engines.gpuwise.kvcache import PagedCache, additive_mask
 from gpuwise.serve.engines.gpuwise.packed import ONEDNN, Packed, PackedLinear
-from gpuwise.serve.engines.gpuwise.quant import WEIGHTS, QuantWeight, dequantize, interleave, quantize, unpermute
+from gpuwise.serve.engines.gpuwise.quant import (
+    WEIGHTS,
+    QuantWeight,
+    dequantize,
+    interleave,
+    interleave_rows,
+    quantize,
+    rows_interleavable,
+    rows_of_interleaved,
+    unpermute,
+)
 
 log = logging.getLogger("gpuwise.serve")
 
@@ -75,6 +85,8 @@ def fused_decoder(
         return None, f"transformers' (the fused one was {off:.1e} off it at load)"
     if quantized:
         decoder.quantize(weights, shipped)
+    else:
+        decoder.interleave_rows()
     decoder.release(model)
     agree = f"its logits within {off * 100:.2g} % of transformers' at load, of the largest"
     held = f"; weights {decoder.weights}" if quantized else ""
@@ -159,7 +171,34 @@ class _Linear:
         dropped = self.packed is not None and self.packed.weight is None
         self.weight: torch.Tensor | None = None if dropped and self.kernel is None else weight
         self.quant: QuantWeight | None = None
+        self.x4 = False  # the plain weight laid out four rows at a time for the kernels (interleave_rows)
         self.loras: dict[str, tuple[_Linear, _Linear]] = {}
+
+    def interleavable(self) -> bool:
+        """Whether the plain weight can be laid out four rows at a time: the kernels read it alone (oneDNN's
+        packed copy, which keeps no plain weight, serves the wider products) and its shape takes it."""
+        w = self.weight
+        return (
+            self.kernel is not None
+            and self.quant is None
+            and self.packed is not None
+            and self.packed.weight is None
+            and w is not None
+            and w.is_contiguous()
+            and rows_interleavable(w)
+        )
+
+    def interleave_rows(self) -> None:
+        """Lay the plain weight out four rows at a time, in place (transformers' modules that view it no longer
+        read it right: FusedDecoder.release moves them out)."""
+        assert self.weight is not None and self.interleavable()
+        self.weight.copy_(interleave_rows(self.weight))
+        self.x4 = True
+
+    def plain(self) -> torch.Tensor:
+        """The plain weight as rows [O, I] (a copy where it is laid out four rows at a time)."""
+        assert self.weight is not None
+        return rows_of_interleaved(self.weight) if self.x4 else self.weight
 
     def quantize(self, fmt: str, shipped: QuantWeight | None = None) -> bool:
         """Hold the weight in llama.cpp's `fmt` alone (the plain and any packed copy dropped): `shipped`, the
@@ -209,11 +248,11 @@ class _Linear:
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None and self.kernel is not None
         try:
-            return self.kernel.gemv(x, self.weight, self.bias)
+            return self.kernel.gemv(x, self.weight, self.bias, x4=self.x4)
         except (ValueError, RuntimeError) as e:  # refused: this product goes the other way from now on
             log.warning("the decode product kernel failed (%s): this product uses the library's", e)
             self.kernel = None
-            return self.packed(x) if self.packed is not None else F.linear(x, self.weight, self.bias)
+            return self.packed(x) if self.packed is not None else F.linear(x, self.plain(), self.bias)
 
     def _qgemv(self, x: torch.Tensor) -> torch.Tensor:
         assert self.quant is not None
@@ -296,8 +335,11 @@ def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
 
 
 def _format(x: _Linear) -> int:
-    """The kernels' weight format of a product: PLAIN, or its block format's ggml type."""
-    return attention.PLAIN if x.quant is None else x.quant.fmt.kernel
+    """The kernels' weight format of a product: PLAIN (PLAIN_X4 laid out four rows at a time), or its block
+    format's."""
+    if x.quant is not None:
+        return x.quant.fmt.kernel
+    return attention.PLAIN_X4 if x.x4 else attention.PLAIN
 
 
 def _held(x: _Linear) -> torch.Tensor:
@@ -421,6 +463,7 @@ class FusedDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.embed: torch.Tensor | None = inner.embed_tokens.weight.detach()
         self.embed_q: QuantWeight | None = None  # a quantized output layer tied to the embedding: looked up in it
+        self.embed_x4 = False  # the embedding is the output layer laid out four rows at a time: looked up in it
         self.dtype, self.device, self.vocab = self.embed.dtype, self.embed.device, self.embed.shape[0]
         self.weights = f"{self.dtype}".removeprefix("torch.")
         self.rotary = inner.rotary_emb
@@ -469,6 +512,19 @@ class FusedDecoder:
         self.weights = f"{weights}: layers {layers_fmt}, output layer {head_fmt}{where}"
         self.step = self._step_pointers()
 
+    def interleave_rows(self) -> None:
+        """Lay the plain weights the decode kernels read out four rows at a time (_Linear.interleave_rows): the
+        layers' all or none (the whole-step kernel reads them in one format), the output layer on its own; an
+        embedding tied to it is then looked up in that layout."""
+        linears = self.linears()
+        if linears and all(x.interleavable() for x in linears):
+            for x in linears:
+                x.interleave_rows()
+        if self.head.interleavable():
+            self.head.interleave_rows()
+            self.embed_x4 = self.tied
+        self.step = self._step_pointers()
+
     def held_bytes(self) -> int:
         """Bytes of weights this decoder holds: its products', the embedding's (once where tied), the norms'."""
         held = sum(x.nbytes for x in [*self.linears(), self.head])
@@ -482,6 +538,8 @@ class FusedDecoder:
         tied to it, dequantized (a few rows a step)."""
         if self.embed_q is None:
             assert self.embed is not None
+            if self.embed_x4:
+                return rows_of_interleaved(self.embed, ids.reshape(-1)).view(*ids.shape, self.embed.shape[1])
             return F.embedding(ids, self.embed)
         flat = ids.reshape(-1)
         if self.attention is not None and flat.numel() <= EMBED_BY_KERNEL:
@@ -596,8 +654,9 @@ class FusedDecoder:
 
     def release(self, model) -> None:
         """Once packed copies serve every product alone (oneDNN's), drop the model's plain weights of the same
-        layers (an output layer tied to the embedding stays: the embedding reads it; LoRA's matrices stay)."""
-        if self.head.weight is not None:
+        layers (an output layer tied to the embedding stays: the embedding reads it; LoRA's matrices stay); so too
+        once the plain weights left are laid out four rows at a time, which transformers' modules no longer read."""
+        if any(x.weight is not None and not x.x4 for x in self.linears()):
             return
         model = model.get_base_model() if self.adapters else model
         for layer in model.model.layers:
@@ -610,9 +669,11 @@ class FusedDecoder:
                         module.base_layer = Moved()
                     else:
                         setattr(parent, n, Moved())
+        if self.head.weight is not None and not self.head.x4:
+            return
         if not self.tied:
             model.lm_head = Moved()
-        elif self.embed is None:  # the embedding is the quantized output layer now: held there alone
+        elif self.embed is None or self.embed_x4:  # the embedding is the output layer now: held there alone
             model.lm_head = Moved()
             model.model.embed_tokens = Moved()
 

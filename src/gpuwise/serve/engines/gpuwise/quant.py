@@ -98,6 +98,30 @@ def interleave(q: QuantWeight) -> QuantWeight:
     return QuantWeight(INTERLEAVED[q.fmt.name], data.reshape(groups, pairs * pair).contiguous(), q.rows, q.cols)
 
 
+def rows_interleavable(weight: torch.Tensor) -> bool:
+    """Whether a plain weight [O, I] can be laid out four rows at a time (`interleave_rows`)."""
+    return weight.dim() == 2 and weight.shape[0] % GROUP == 0 and weight.shape[1] % BLOCK == 0
+
+
+def interleave_rows(weight: torch.Tensor) -> torch.Tensor:
+    """A plain weight [O, I] laid out as the kernels' PLAIN_X4 reads it, the same shape: per group of 4 rows, each
+    row's values 0-31, then each row's 32-63, ..., so that a pass over 4 rows reads one stream (the Q8_0 and Q4_1
+    layout of `interleave`, for values as they are)."""
+    o, i = weight.shape
+    return weight.reshape(o // GROUP, GROUP, i // BLOCK, BLOCK).transpose(1, 2).contiguous().view(o, i)
+
+
+def rows_of_interleaved(weight: torch.Tensor, ids: torch.Tensor | slice | None = None) -> torch.Tensor:
+    """Rows `ids` (all where None) of a weight laid out by `interleave_rows`, as plain rows [n, I]."""
+    o, i = weight.shape
+    groups = weight.view(o // GROUP, i // BLOCK, GROUP, BLOCK)
+    if ids is None:
+        return groups.transpose(1, 2).reshape(o, i)
+    if isinstance(ids, slice):
+        ids = torch.arange(o)[ids]
+    return groups[ids // GROUP, :, ids % GROUP, :].reshape(-1, i)
+
+
 def _rows_of(q: QuantWeight, ids: torch.Tensor) -> QuantWeight:
     """Rows `ids` of an interleaved weight in the format it interleaves (`interleave`, undone)."""
     name = next(k for k, v in INTERLEAVED.items() if v == q.fmt)

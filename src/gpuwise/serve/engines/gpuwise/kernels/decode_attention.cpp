@@ -210,6 +210,24 @@ struct Plain {
   const void* at(int64_t row, int64_t i) const { return w + row * so + i; }
 };
 
+// kPlainX4: T itself laid out four rows at a time (serve/engines/gpuwise/quant.py: interleave_rows): per group of
+// 4 rows, each row's values 0-31, then each row's 32-63, ... (O % 4 == 0, I % 32 == 0), so that a pass over a
+// group's 4 rows reads one stream, not 4 rows apart (a one-row product of bf16 read 1.6x as fast so on a 2-core
+// AMD EPYC: benchmarks/weight_read.cpp). The same values in the same order as Plain's: the same sums, bitwise.
+template <typename T>
+struct PlainX4 {
+  const T* w;
+  int64_t I;
+  static constexpr int64_t kEvery = 64 / sizeof(T);
+  static constexpr bool kBlocks = false;
+  const T* ptr(int64_t row, int64_t i) const {
+    return w + (row >> 2) * 4 * I + (i >> 5) * 128 + (row & 3) * 32 + (i & 31);
+  }
+  __m512 load(int64_t row, int64_t i) const { return load16(ptr(row, i)); }
+  __m512 tail(int64_t, int64_t, int64_t) const { return _mm512_setzero_ps(); }
+  const void* at(int64_t row, int64_t i) const { return ptr(row, i); }
+};
+
 // the block formats: rows of whole blocks (I % 32 == 0, checked where a call comes in), so no tail
 template <int64_t Bytes>
 struct Blocks {
@@ -369,7 +387,7 @@ struct Q4_1 : Blocks<20> {
 // same way), then each row's two blocks' quants: Q8_0's 64 as unsigned bytes (q + 128), Q4_1's 32 bytes of
 // nibbles as they ship. Rows come in whole groups (O % 4 == 0) of whole pairs (I % 64 == 0), checked where a
 // call comes in. Not ggml types: 100 + the type of the blocks they interleave.
-constexpr int kQ8_0x4 = 108, kQ4_1x4 = 103;
+constexpr int kQ8_0x4 = 108, kQ4_1x4 = 103, kPlainX4 = 100;
 
 // what both interleaved formats share: a group of 4 rows is 4 row's bytes, contiguous, in pairs of kPair bytes
 template <int64_t Bytes, bool Min>
@@ -435,13 +453,15 @@ template <typename W>
 constexpr bool kInterleaved = std::is_same<W, Q8_0x4>::value || std::is_same<W, Q4_1x4>::value;
 
 inline bool known_format(int fmt) {
-  return fmt == kPlain || fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ8_0 || fmt == kQ8_0x4 || fmt == kQ4_1x4;
+  return fmt == kPlain || fmt == kPlainX4 || fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ8_0 || fmt == kQ8_0x4 ||
+         fmt == kQ4_1x4;
 }
 
 // whether a weight [O, I] in format fmt is one the kernels take: a block format's rows whole blocks, an
 // interleaved one's whole groups of whole pairs
 inline bool takes_shape(int fmt, int64_t O, int64_t I) {
   if (fmt == kPlain) return true;
+  if (fmt == kPlainX4) return O % 4 == 0 && I % 32 == 0;
   if (fmt == kQ8_0x4 || fmt == kQ4_1x4) return O % 4 == 0 && I % 64 == 0;
   return I % 32 == 0;
 }
@@ -456,6 +476,7 @@ inline void with_weight(int fmt, const void* w, int64_t I, int64_t w_so, F&& f) 
     case kQ4_1: f(Q4_1{{b, I / 32 * 20}}); break;
     case kQ8_0x4: f(Q8_0x4{{b, I / 32 * 34}}); break;
     case kQ4_1x4: f(Q4_1x4{{b, I / 32 * 20}}); break;
+    case kPlainX4: f(PlainX4<T>{static_cast<const T*>(w), I}); break;
     default: f(Plain<T>{static_cast<const T*>(w), w_so}); break;
   }
 }
@@ -545,7 +566,7 @@ struct ActBuffers {
   std::vector<int8_t> q;
   std::vector<int32_t> c;
   Acts prepare(int fmt, const float* xf, int64_t M, int64_t I, bool quantize) {
-    if (fmt == kPlain) return {};
+    if (fmt == kPlain || fmt == kPlainX4) return {};
     Acts a;
     if (quantize) {
       q.resize(M * I), d.resize(M * (I / 32));
@@ -1039,7 +1060,7 @@ bool amx_gemv(int fmt, const T* x, const void* w, const T* bias, T* out, int64_t
   if constexpr (!std::is_same<T, c10::BFloat16>::value) {
     return false;
   } else {
-    if (M < kAmxRows || I % 32 || !amx_usable()) return false;
+    if (M < kAmxRows || I % 32 || fmt == kPlainX4 || !amx_usable()) return false;
     std::vector<uint32_t> xt((I / 32) * ((M + 15) / 16) * 256);
     x_tiles(x, M, I, xt.data());
     const int64_t tasks = (O + kAmxCols - 1) / kAmxCols;
@@ -1344,6 +1365,7 @@ int gpuwise_gemv(int dtype, int fmt, const void* x, const void* w, const void* b
   // a plain weight: up to kMaxRows rows, or more in bf16 on AMX's tiles (rows of whole blocks)
   const bool plain_amx = dtype == 1 && I % 32 == 0 && amx_usable();
   if (fmt == kPlain ? ((M > kMaxRows && !plain_amx) || w_so < I) : !takes_shape(fmt, O, I)) return 1;
+  if (fmt == kPlainX4 && M > kMaxRows) return 1;
   if (dtype == 0) {
     gemv(fmt, static_cast<const float*>(x), w, static_cast<const float*>(bias), static_cast<float*>(out), M, O, I,
          w_so);
