@@ -69,8 +69,8 @@ def test_the_quantized_product_is_dequantize_then_multiply(kernel, fmt, rows, dt
     a time into its cache: both are F.linear on the dequantized weight. In bf16 at 1-8 rows the activations are int8
     too, a block of 32 at a time (integer dot products, as llama.cpp's): F.linear on both dequantized; at more rows,
     where the CPU has AMX, the weights are dequantized to bf16 for its tiles (as the library's product on them
-    reads them); without AMX, int8 activations at any size (the engine sends 16 rows or more to the library's
-    product instead: decoder.LIBRARY_ROWS). Bound: fp32 sums in another order (measured 1e-7 to 6e-7 of the largest
+    reads them); without AMX, int8 activations at any size (the engine sends the rows from decoder.KERNEL_ROWS on
+    to the library's product instead). Bound: fp32 sums in another order (measured 1e-7 to 6e-7 of the largest
     output), and in bf16 the output's one rounding (2^-8 = 3.9e-3; measured up to 3.3e-3). Allowed: 1e-5 and 5e-3;
     and in bf16, 8e-3 of the product of the exact activations and fp32 weights (int8 activations' own error, with
     the rounding, measured up to 7.5e-3 of the largest output)."""
@@ -157,9 +157,10 @@ def test_the_kernel_uses_what_this_cpu_has():
 
 @pytest.mark.parametrize("rows", [3, 40, 200])
 def test_a_quantized_layer_is_dequantize_then_multiply_at_few_rows_and_many(kernel, rows):
-    """The engine's product (decoder._Linear, quantized): the kernel's below LIBRARY_ROWS (and up to AMX_ROWS where
-    the CPU has AMX), above it the library's product on chunks of dequantized rows (2600 rows: two chunks and a
-    part); within bf16's output rounding of the reference either way, and no plain weight kept."""
+    """The engine's product (decoder._Linear, quantized): the kernel's below its crossover (_library_rows:
+    KERNEL_ROWS, AMX_ROWS where the CPU has AMX), above it the library's product on chunks of dequantized rows (2600
+    rows: two chunks and a part); within bf16's output rounding of the reference either way, and no plain weight
+    kept."""
     torch.manual_seed(1)
     w, bias = torch.randn(2600, 64).bfloat16(), torch.randn(2600).bfloat16()
     layer = fused._Linear(w, bias, None, kernel)
