@@ -24,15 +24,13 @@ import time
 
 import torch
 import torch.nn.functional as F
+from bf16_products import HEAD, LAYER  # beside this script: the same shapes
 
 from gpuwise.serve.engines.gpuwise.attention import load
 from gpuwise.serve.engines.gpuwise.decoder import _Linear
 from gpuwise.serve.engines.gpuwise.packed import ONEDNN, Packed
 from gpuwise.serve.engines.gpuwise.quant import WEIGHTS, dequantize
 
-# (out, in) of one layer's products in the fused decoder, and the output layer
-LAYER = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
-HEAD = (49152, 576)
 COPIES_BYTES = 512 << 20  # rotated bf16 weights: past the last-level caches this benchmark meets
 
 

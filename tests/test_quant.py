@@ -182,7 +182,11 @@ def test_which_quantized_products_the_kernel_takes_and_which_the_library(kernel,
     took: list[str] = []
     monkeypatch.setattr(kernel, "qgemv", lambda x, q, bias=None: took.append("kernel"))
     monkeypatch.setattr(fused._Linear, "_qlinear", lambda self, x: took.append("library"))
-    for fmt, bf16_rows in (("Q8_0", fused.KERNEL_ROWS[8]), ("Q4_1", fused.KERNEL_ROWS[3]), ("Q4_0", None)):
+    for fmt, bf16_rows in (
+        ("Q8_0", fused.KERNEL_ROWS[FORMATS["Q8_0"].ggml_type]),
+        ("Q4_1", fused.KERNEL_ROWS[FORMATS["Q4_1"].ggml_type]),
+        ("Q4_0", None),
+    ):
         layer = fused._Linear(torch.randn(8, 64).bfloat16(), None, None, kernel)
         layer.quantize(fmt)
         bf16_rows = fused.AMX_ROWS + 1 if amx else bf16_rows or fused.LIBRARY_ROWS

@@ -32,6 +32,7 @@ from gpuwise.serve.engines.gpuwise.attention import GEMV_ROWS, GEMV_ROWS_ALONE
 from gpuwise.serve.engines.gpuwise.kvcache import PagedCache, additive_mask
 from gpuwise.serve.engines.gpuwise.packed import ONEDNN, Packed, PackedLinear
 from gpuwise.serve.engines.gpuwise.quant import (
+    FORMATS,
     WEIGHTS,
     QuantWeight,
     dequantize,
@@ -123,7 +124,7 @@ def unsupported(model) -> str | None:
 # up to AMX_ROWS (from 9 rows, on AMX's tiles), where it outran the library. The crossovers, measured
 # (benchmarks/quant_products.py): docs/serving.md, "Fewer bytes per token".
 LIBRARY_ROWS = 16
-KERNEL_ROWS = {8: 128, 3: 64}  # Q8_0, Q4_1 (also as quant.interleave lays them out)
+KERNEL_ROWS = {FORMATS["Q8_0"].ggml_type: 128, FORMATS["Q4_1"].ggml_type: 64}  # also as quant.interleave lays them
 AMX_ROWS = 128
 # rope types whose frequencies do not change with the sequence's length (transformers' ROPE_INIT_FUNCTIONS; the
 # dynamic ones recompute them): their cos and sin at a position can be kept

@@ -111,14 +111,12 @@ def interleave_rows(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(o // GROUP, GROUP, i // BLOCK, BLOCK).transpose(1, 2).contiguous().view(o, i)
 
 
-def rows_of_interleaved(weight: torch.Tensor, ids: torch.Tensor | slice | None = None) -> torch.Tensor:
+def rows_of_interleaved(weight: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """Rows `ids` (all where None) of a weight laid out by `interleave_rows`, as plain rows [n, I]."""
     o, i = weight.shape
     groups = weight.view(o // GROUP, i // BLOCK, GROUP, BLOCK)
     if ids is None:
         return groups.transpose(1, 2).reshape(o, i)
-    if isinstance(ids, slice):
-        ids = torch.arange(o)[ids]
     return groups[ids // GROUP, :, ids % GROUP, :].reshape(-1, i)
 
 

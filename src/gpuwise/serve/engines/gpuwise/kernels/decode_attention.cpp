@@ -212,8 +212,8 @@ struct Plain {
 
 // kPlainX4: T itself laid out four rows at a time (serve/engines/gpuwise/quant.py: interleave_rows): per group of
 // 4 rows, each row's values 0-31, then each row's 32-63, ... (O % 4 == 0, I % 32 == 0), so that a pass over a
-// group's 4 rows reads one stream, not 4 rows apart (a one-row product of bf16 read 1.6x as fast so on a 2-core
-// AMD EPYC: benchmarks/weight_read.cpp). The same values in the same order as Plain's: the same sums, bitwise.
+// group's 4 rows reads one stream, not 4 streams a row apart, which the hardware reads slower
+// (benchmarks/weight_read.cpp; docs/serving.md). The same values in the same order as Plain's: the same sums.
 template <typename T>
 struct PlainX4 {
   const T* w;
