@@ -1161,6 +1161,27 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int threads) {
   return {n * tid / threads, n * (tid + 1) / threads};
 }
 
+// Work handed out a chunk at a time from a counter, to whichever thread comes for it: a thread that runs slower
+// (its core shared, the OS's work, a wake-up of the front end) takes fewer chunks instead of holding the others at
+// the next barrier. Each phase of a step has its own counter. A chunk is an eighth of a thread's even share.
+class Dealer {
+ public:
+  explicit Dealer(int64_t phases) : next_(phases) {
+    for (auto& n : next_) n.store(0, std::memory_order_relaxed);
+  }
+  template <typename F>
+  void deal(int64_t phase, int64_t n, int threads, F&& f) {  // f(begin, end) for the chunks this thread takes
+    std::atomic<int64_t>& next = next_[phase];
+    const int64_t chunk = std::max<int64_t>(1, n / (threads * 8));
+    for (int64_t b = next.fetch_add(chunk, std::memory_order_relaxed); b < n;
+         b = next.fetch_add(chunk, std::memory_order_relaxed))
+      f(b, std::min(n, b + chunk));
+  }
+
+ private:
+  std::vector<std::atomic<int64_t>> next_;
+};
+
 // x [M, E] normalized (RMSNorm, rounded to T as serve/engines/gpuwise/decoder.py's ops round) into xf in fp32, the products' input
 template <typename T>
 void rms_into(const T* x, const T* weight, float eps, float* xf, int64_t M, int64_t E) {
@@ -1195,6 +1216,7 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
   const int requested = threads_asked > 0 ? threads_asked : at::get_num_threads();
   SpinBarrier* barrier = nullptr;
   alignas(SpinBarrier) unsigned char barrier_space[sizeof(SpinBarrier)];
+  Dealer dealer(layers * 4 + 1);  // the products' phases: four a layer, then the output layer
 #pragma omp parallel num_threads(requested)
   {
     const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
@@ -1218,13 +1240,12 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
       // the norm (every thread its own copy: it is small), then this thread's share of the qkv product
       rms_into(x, w(0), eps[l * 2], xf.data(), M, E);
       sums(fmt, E);
-      {
-        auto [b, e] = share((QKV + kBlock - 1) / kBlock, tid, threads);
-        with_weight<T>(fmt, weight(1), E, E, [&](auto wv) {
+      with_weight<T>(fmt, weight(1), E, E, [&](auto wv) {
+        dealer.deal(l * 4, (QKV + kBlock - 1) / kBlock, threads, [&](int64_t b, int64_t e) {
           gemv_blocks(xf.data(), xs, wv, w(2), M, QKV, E, b, e,
                       [&](int64_t m, int64_t o, float v) { qkv[m * QKV + o] = static_cast<T>(v); });
         });
-      }
+      });
       barrier->wait();
       // rotary embedding of the q and k heads: x * cos + rotate_half(x) * sin, rounded per op; a k head's
       // item also writes that head's key and value to the cache
@@ -1269,18 +1290,16 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
       // the output projection, added to x column by column (no other thread reads x until the barrier)
       to_float(att.data(), xf.data(), M * H * D);
       sums(fmt, H * D);
-      {
-        auto [b, e] = share((E + kBlock - 1) / kBlock, tid, threads);
-        with_weight<T>(fmt, weight(3), H * D, H * D,
-                       [&](auto wv) { gemv_blocks(xf.data(), xs, wv, w(4), M, E, H * D, b, e, add_to_x); });
-      }
+      with_weight<T>(fmt, weight(3), H * D, H * D, [&](auto wv) {
+        dealer.deal(l * 4 + 1, (E + kBlock - 1) / kBlock, threads,
+                    [&](int64_t b, int64_t e) { gemv_blocks(xf.data(), xs, wv, w(4), M, E, H * D, b, e, add_to_x); });
+      });
       barrier->wait();
       // the MLP's gate and up products for the same columns, then silu(gate) * up for them
       rms_into(x, w(5), eps[l * 2 + 1], xf.data(), M, E);
       sums(fmt, E);
-      {
-        auto [b, e] = share((F + kBlock - 1) / kBlock, tid, threads);
-        with_weight<T>(fmt, weight(6), E, E, [&](auto wv) {
+      with_weight<T>(fmt, weight(6), E, E, [&](auto wv) {
+        dealer.deal(l * 4 + 2, (F + kBlock - 1) / kBlock, threads, [&](int64_t b, int64_t e) {
         for (int64_t block = b; block < e; ++block) {
           T gate[kBlock * kMaxRows], up[kBlock * kMaxRows];
           const int64_t f0 = block * kBlock, rows = std::min(kBlock, F - f0);
@@ -1296,22 +1315,23 @@ void decode_step(int fmt, int head_fmt, T* x, const T* cos, const T* sin, const 
             }
         }
         });
-      }
+      });
       barrier->wait();
       to_float(act.data(), xf.data(), M * F);
       sums(fmt, F);
-      {
-        auto [b, e] = share((E + kBlock - 1) / kBlock, tid, threads);
-        with_weight<T>(fmt, weight(8), F, F, [&](auto wv) { gemv_blocks(xf.data(), xs, wv, w(9), M, E, F, b, e, add_to_x); });
-      }
+      with_weight<T>(fmt, weight(8), F, F, [&](auto wv) {
+        dealer.deal(l * 4 + 3, (E + kBlock - 1) / kBlock, threads,
+                    [&](int64_t b, int64_t e) { gemv_blocks(xf.data(), xs, wv, w(9), M, E, F, b, e, add_to_x); });
+      });
       barrier->wait();
     }
     rms_into(x, final_norm, final_eps, xf.data(), M, E);
     sums(head_fmt, E);
-    auto [b, e] = share((V + kBlock - 1) / kBlock, tid, threads);
     with_weight<T>(head_fmt, head, E, E, [&](auto wv) {
-      gemv_blocks(xf.data(), xs, wv, static_cast<const T*>(nullptr), M, V, E, b, e,
-                  [&](int64_t m, int64_t o, float v) { logits[m * V + o] = static_cast<T>(v); });
+      dealer.deal(layers * 4, (V + kBlock - 1) / kBlock, threads, [&](int64_t b, int64_t e) {
+        gemv_blocks(xf.data(), xs, wv, static_cast<const T*>(nullptr), M, V, E, b, e,
+                    [&](int64_t m, int64_t o, float v) { logits[m * V + o] = static_cast<T>(v); });
+      });
     });
   }
 }
