@@ -60,6 +60,7 @@ class Sequence:
         self.finish: str | None = None
         self.cancelled = threading.Event()
         self.generator: Any = None  # gpuwise's engine: the seeded sampler of a request that gave a seed
+        self.detok: Any = None  # gpuwise's engine: its output's text as it grows (detokenize.IncrementalText)
         self.t_submit = time.perf_counter()
         self.t_first: float | None = None  # when its first token came out
         self.t_last: float | None = None

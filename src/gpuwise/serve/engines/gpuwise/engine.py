@@ -49,6 +49,7 @@ import torch
 from gpuwise.plan.serving import KV_BLOCK, kv_shape
 from gpuwise.serve.engines.base import GREEDY_BELOW, EngineStats, QueueFull, Sequence, ShuttingDown
 from gpuwise.serve.engines.gpuwise.decoder import Part
+from gpuwise.serve.engines.gpuwise.detokenize import IncrementalText
 from gpuwise.serve.engines.gpuwise.kvcache import PagedCache, PrefixCache, additive_mask
 
 log = logging.getLogger("gpuwise.serve")
@@ -416,23 +417,27 @@ class Engine:
                 self._end(s, "stop")
                 continue
             s.out.append(token)
-            text = self.tok.decode(s.out, skip_special_tokens=True)
+            if s.detok is None:
+                s.detok = IncrementalText(self.tok)
+            before = len(s.detok.text)
+            text = s.detok.add(token)  # what may be sent: no half character at its end
+            whole = s.detok.whole() if s.params.stop else text
             finish = None
-            for stop in s.params.stop:
-                if stop in text:
-                    text, finish = text[: text.index(stop)], "stop"
-            if finish is None and (len(s.out) >= s.params.max_tokens or s.length >= self.context):
-                finish = "length"
+            # a stop string ends where the text grew: one that ended before would have stopped the sequence
+            found = [i for x in s.params.stop if (i := whole.find(x, max(0, before - max(len(x), 1) + 1))) >= 0]
+            if found:
+                text, finish = whole[: min(found)], "stop"
+            elif len(s.out) >= s.params.max_tokens or s.length >= self.context:
+                text, finish = s.detok.whole(), "length"
             if finish is None:
-                # hold back what may yet become a stop string, or half of a multi-byte character
+                # hold back what may yet become a stop string
                 hold = max((len(x) - 1 for x in s.params.stop), default=0)
-                safe = text[: len(text) - hold] if hold else text
-                safe = safe.rstrip("\ufffd")
-                if len(safe) > len(s.sent) and safe.startswith(s.sent):
-                    s.sink({"text": safe[len(s.sent) :]})
-                    s.sent = safe
+                safe = len(text) - hold
+                if safe > len(s.sent):
+                    s.sink({"text": text[len(s.sent) : safe]})
+                    s.sent = text[:safe]
             else:
-                if len(text) > len(s.sent) and text.startswith(s.sent):
+                if len(text) > len(s.sent):
                     s.sink({"text": text[len(s.sent) :]})
                     s.sent = text
                 self._end(s, finish)
