@@ -14,12 +14,14 @@ the whole output again.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class IncrementalText:
     """The text of `ids` so far as `tok.decode(ids, skip_special_tokens=True)` gives it, where that ends in a whole
     character; `add` each new id."""
 
-    def __init__(self, tok):
+    def __init__(self, tok: Any) -> None:  # a transformers tokenizer: anything with decode(ids, skip_special_tokens)
         self.tok = tok
         self.ids: list[int] = []
         self.text = ""  # the text of ids[:read]
@@ -29,16 +31,20 @@ class IncrementalText:
     def add(self, token: int) -> str:
         """The text with `token` appended: as long as before where the window ends in half a character."""
         self.ids.append(token)
-        known = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
-        window = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
-        if len(window) > len(known) and not window.endswith("\ufffd"):
-            self.text += window[len(known) :]
+        grown = self._grown()
+        if grown and not grown.endswith("\ufffd"):
+            self.text += grown
             self.prefix, self.read = self.read, len(self.ids)
         return self.text
 
     def whole(self) -> str:
         """The text of every id added, half a character at its end included (as U+FFFD): the output's last text."""
-        if self.read == len(self.ids):
-            return self.text
+        return self.text if self.read == len(self.ids) else self.text + self._grown()
+
+    def _grown(self) -> str:
+        """The text the ids not yet in it add: the window decoded, less the text of the piece before them.
+
+        Two decodes a token, as vLLM's: the piece before's text cannot be kept from the last one, whose window
+        started a piece earlier (a tokenizer's cleanup can differ at the window's start)."""
         known = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
-        return self.text + self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)[len(known) :]
+        return self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)[len(known) :]

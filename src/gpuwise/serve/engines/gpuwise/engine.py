@@ -428,7 +428,7 @@ class Engine:
             if found:
                 text, finish = whole[: min(found)], "stop"
             elif len(s.out) >= s.params.max_tokens or s.length >= self.context:
-                text, finish = s.detok.whole(), "length"
+                text, finish = (whole if s.params.stop else s.detok.whole()), "length"
             if finish is None:
                 # hold back what may yet become a stop string
                 hold = max((len(x) - 1 for x in s.params.stop), default=0)
