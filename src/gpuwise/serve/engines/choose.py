@@ -10,6 +10,7 @@ from pathlib import Path
 from gpuwise.errors import GpuwiseError
 from gpuwise.hardware.devices import serving_device
 from gpuwise.plan.engines import ENGINES, auto_engine, quantized_gguf
+from gpuwise.serve.engines.gpuwise import attention
 from gpuwise.serve.engines.llamacpp import DTYPES as LLAMA_CPP_DTYPES
 from gpuwise.serve.engines.llamacpp import find_llama_server, llama_server_version
 from gpuwise.serve.engines.vllm import find_vllm
@@ -51,7 +52,8 @@ def choose_engine(
         # --engine gpuwise on a quantized GGUF: its weights as `auto` measures them between gpuwise's two ways
         gguf = quantized_gguf(refs[0][1])
         if gguf is not None and serving_device() == "cpu":
-            chosen = replace(chosen, weights=auto_engine("cpu", False, False, gguf, streams).weights)
+            held = auto_engine("cpu", False, False, gguf, streams, no_kernels=attention.unavailable()).weights
+            chosen = replace(chosen, weights=held)
     if dtype not in (LLAMA_CPP_DTYPES if chosen.engine == "llama.cpp" else DTYPES[:4]):
         raise GpuwiseError(
             f"--dtype {dtype} is llama.cpp's (--engine llama.cpp); {chosen.engine} serves fp32, bf16, fp16"
@@ -102,7 +104,8 @@ def _choose(
         return Chosen("llama.cpp", why, llama_server=server[0])
     adapters = any(_is_lora_run(ref) for _, ref in refs)
     gguf = quantized_gguf(refs[0][1]) if dtype == "auto" and len(refs) == 1 else None
-    choice = auto_engine(device, False, server is not None, gguf, streams, adapters)
+    no_kernels = attention.unavailable() if device == "cpu" else ""
+    choice = auto_engine(device, False, server is not None, gguf, streams, adapters, no_kernels)
     if choice.engine == "llama.cpp":
         assert server is not None
         llama_server_version(server[0])  # a build for another CPU is one line here, not a crash mid-request

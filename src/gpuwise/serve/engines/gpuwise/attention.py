@@ -447,17 +447,30 @@ def load() -> tuple[DecodeAttention | None, str]:
         return _refused("", f"its cache failed: {e}")
 
 
-def _load() -> tuple[DecodeAttention | None, str]:
-    if os.environ.get("GPUWISE_KERNELS", "1") == "0":
-        return None, "GPUWISE_KERNELS=0"
-    if not _avx512():
-        return None, f"this CPU's PyTorch dispatch level is {torch.backends.cpu.get_cpu_capability()}, not AVX-512"
-    if not hasattr(os, "O_NOFOLLOW") or not hasattr(os, "geteuid"):
-        return None, "its private cache needs a POSIX system"
+def _compiler() -> list[str]:
     found = shutil.which("g++") or shutil.which("c++")
-    compiler = shlex.split(os.environ.get("CXX", "")) or ([found] if found else [])  # CXX may be "ccache g++"
-    if not compiler:
-        return None, "no C++ compiler (g++) to build it with"
+    return shlex.split(os.environ.get("CXX", "")) or ([found] if found else [])  # CXX may be "ccache g++"
+
+
+def unavailable() -> str:
+    """Why the kernels cannot run on this host at all (empty where they may: `load` still builds and checks
+    them), without building anything: what `--engine auto` asks before it trusts speeds measured with them."""
+    if os.environ.get("GPUWISE_KERNELS", "1") == "0":
+        return "GPUWISE_KERNELS=0"
+    if not _avx512():
+        return f"this CPU's PyTorch dispatch level is {torch.backends.cpu.get_cpu_capability()}, not AVX-512"
+    if not hasattr(os, "O_NOFOLLOW") or not hasattr(os, "geteuid"):
+        return "its private cache needs a POSIX system"
+    if not _compiler():
+        return "no C++ compiler (g++) to build it with"
+    return ""
+
+
+def _load() -> tuple[DecodeAttention | None, str]:
+    why_not = unavailable()
+    if why_not:
+        return None, why_not
+    compiler = _compiler()
     key = hashlib.sha256(
         SOURCE.read_bytes() + " ".join([*compiler, *FLAGS, _abi(), torch.__version__]).encode()
     ).hexdigest()[:16]
