@@ -169,14 +169,14 @@ def test_serve_auto_on_the_named_base_takes_the_engine_the_table_says_and_the_fi
     for streams in (1, 32):  # --engine gpuwise: the faster of its two ways, as auto measures them
         rule = auto_engine("cpu", False, False, "q4_1", streams, no_kernels=here)
         assert choose_engine("gpuwise", [(BASE, BASE)], streams, "auto").weights == rule.weights
-    assert rule.weights in ("bf16", engines.GGUF_WEIGHTS["q4_1"])
+    assert rule.weights in (("bf16", engines.GGUF_WEIGHTS["q4_1"]) if not here else (None,))
 
 
 def test_without_gpuwise_kernels_a_gguf_goes_to_llama_cpp_and_the_line_says_why(monkeypatch):
     """CPU_TOK_S was measured with gpuwise's decode kernels. On a CPU where they cannot run (no AVX-512, no
     compiler, GPUWISE_KERNELS=0: attention.unavailable), a quantized GGUF goes to llama.cpp where it is installed,
-    else to gpuwise's engine holding it in bf16 (its int8 and int4 products would dequantize every weight every
-    step); the line says why. A model in bf16 stays gpuwise's, the reason in its line."""
+    else to gpuwise's engine at --dtype's precision (int8 and int4 need the kernels; bf16 is not forced on a CPU
+    that only emulates it); the line says why. A model in bf16 stays gpuwise's, the reason in its line."""
     from gpuwise.plan import engines
     from gpuwise.serve.engines.choose import choose_engine
     from gpuwise.serve.engines.gpuwise import attention
@@ -187,7 +187,7 @@ def test_without_gpuwise_kernels_a_gguf_goes_to_llama_cpp_and_the_line_says_why(
             there = auto_engine("cpu", False, True, gguf, streams, no_kernels=why)
             assert there.engine == "llama.cpp" and why in there.why and engines.CPU_TOK_S_SOURCE in there.why
             alone = auto_engine("cpu", False, False, gguf, streams, no_kernels=why)
-            assert (alone.engine, alone.weights) == ("gpuwise", "bf16") and why in alone.why
+            assert (alone.engine, alone.weights) == ("gpuwise", None) and why in alone.why
             assert "make llama.cpp" in alone.why
     plain = auto_engine("cpu", False, True, None, 1, no_kernels=why)
     assert plain.engine == "gpuwise" and plain.weights is None and why in plain.why
@@ -198,7 +198,7 @@ def test_without_gpuwise_kernels_a_gguf_goes_to_llama_cpp_and_the_line_says_why(
     assert attention.unavailable() == "GPUWISE_KERNELS=0"
     chosen = choose_engine("auto", [(BASE, BASE)], 1, "auto", llama_server=str(llama_server()))
     assert chosen.engine == "llama.cpp" and "GPUWISE_KERNELS=0" in chosen.why and chosen.llama_server is not None
-    assert choose_engine("gpuwise", [(BASE, BASE)], 1, "auto").weights == "bf16"
+    assert choose_engine("gpuwise", [(BASE, BASE)], 1, "auto").weights is None
 
 
 def test_a_child_engine_inherits_what_the_user_set_not_what_gpuwise_set_for_itself(monkeypatch):

@@ -90,8 +90,8 @@ def auto_engine(
       streams, its first tokens sooner; it also starts in seconds and holds about half vLLM's memory.
     `no_kernels`: why gpuwise's decode kernels cannot run on this CPU (serve/engines/gpuwise/attention.py
     `unavailable`; empty where they can). CPU_TOK_S was measured with them: without them a quantized GGUF goes to
-    llama.cpp where it is installed, else to gpuwise's engine dequantized to bf16 (its int8 and int4 products
-    would dequantize every weight every step)."""
+    llama.cpp where it is installed, else to gpuwise's engine dequantized to --dtype's precision (its int8 and
+    int4 need the kernels; bf16 where the CPU only emulates it served 0.21x fp32 at 32 streams on a Zen 3)."""
     if device == "cuda":
         if vllm_found:
             return AutoChoice("vllm", "auto: a CUDA device and vLLM installed (CUDA graphs, paged attention)")
@@ -108,7 +108,8 @@ def auto_engine(
         table = f"{bare}, and the speeds `auto` compares ({CPU_TOK_S_SOURCE}) were measured with them"
         if llama_cpp_found:
             return AutoChoice("llama.cpp", f"auto: {where}: llama.cpp serves it as it ships{table}")
-        return AutoChoice("gpuwise", f"auto: {where}: gpuwise's engine, dequantized to bf16{table}{missing}", "bf16")
+        held = "dequantized to --dtype's precision (auto: bf16 where the CPU computes it, else fp32)"
+        return AutoChoice("gpuwise", f"auto: {where}: gpuwise's engine, {held}{table}{missing}")
     levels = [n for n in STREAM_LEVELS if n <= max(streams, 1)]
     theirs_type = gguf_type if f"llama.cpp {gguf_type}" in CPU_TOK_S else _nearest_measured(gguf_type)
     # the ways to serve it, each with its measured tok/s at those levels, in the order preferred at the same
