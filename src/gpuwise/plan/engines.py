@@ -91,7 +91,7 @@ def auto_engine(
     `no_kernels`: why gpuwise's decode kernels cannot run on this CPU (serve/engines/gpuwise/attention.py
     `unavailable`; empty where they can). CPU_TOK_S was measured with them: without them a quantized GGUF goes to
     llama.cpp where it is installed, else to gpuwise's engine dequantized to --dtype's precision (its int8 and
-    int4 need the kernels; bf16 where the CPU only emulates it served 0.21x fp32 at 32 streams on a Zen 3)."""
+    int4 need the kernels; bf16 on a CPU that only emulates it does not grow with the streams: docs/serving.md)."""
     if device == "cuda":
         if vllm_found:
             return AutoChoice("vllm", "auto: a CUDA device and vLLM installed (CUDA graphs, paged attention)")
