@@ -1,7 +1,6 @@
 """gpuwise's CPU decode attention kernel (serve/engines/gpuwise/attention.py) against PyTorch's SDPA on the same
 cache views, and what happens where it cannot be built: the decoder keeps SDPA and says why."""
 
-import shutil
 
 import pytest
 import torch
@@ -9,9 +8,7 @@ import torch.nn.functional as F
 
 from gpuwise.serve.engines.gpuwise import attention
 
-needs_kernel = pytest.mark.skipif(
-    not attention._avx512() or shutil.which("g++") is None, reason="the kernel needs AVX-512 and g++"
-)
+needs_kernel = pytest.mark.skipif(bool(attention.unavailable()), reason=f"no kernel here: {attention.unavailable()}")
 
 
 def sdpa(q, keys, values, lens):
@@ -108,7 +105,7 @@ def test_where_it_cannot_be_built_the_decoder_keeps_sdpa_and_says_why(monkeypatc
         decoder, note = fused.fused_decoder(tiny("llama"), pack=None)
         assert decoder is not None and decoder.attention is None
         assert note.endswith("decode attention: SDPA (GPUWISE_KERNELS=0))")
-        if attention._avx512():
+        if not attention.unavailable():
             attention.load.cache_clear()
             monkeypatch.delenv("GPUWISE_KERNELS")
             monkeypatch.setenv("CXX", "false")  # a compiler that fails

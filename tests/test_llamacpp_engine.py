@@ -161,13 +161,13 @@ def test_serve_auto_on_the_named_base_takes_the_engine_the_table_says_and_the_fi
     here = attention.unavailable()  # where gpuwise's kernels cannot run, the table does not hold (next test)
     for streams in (1, 8, 32):
         chosen = choose_engine("auto", [(BASE, BASE)], streams, "auto", llama_server=binary)
-        rule = auto_engine("cpu", False, True, "q4_1", streams, no_kernels=here)
+        rule = auto_engine("cpu", False, True, "q4_1", streams, no_kernels=here, isa=attention.isa())
         assert (chosen.engine, chosen.weights) == (rule.engine, rule.weights), (chosen, rule)
         assert (chosen.llama_server is not None) == (chosen.engine == "llama.cpp")
     bf16 = choose_engine("auto", [(BASE, BASE)], 1, "bf16", llama_server=binary)
     assert bf16.engine == "gpuwise" and bf16.weights is None
     for streams in (1, 32):  # --engine gpuwise: the faster of its two ways, as auto measures them
-        rule = auto_engine("cpu", False, False, "q4_1", streams, no_kernels=here)
+        rule = auto_engine("cpu", False, False, "q4_1", streams, no_kernels=here, isa=attention.isa())
         assert choose_engine("gpuwise", [(BASE, BASE)], streams, "auto").weights == rule.weights
     assert rule.weights in (("bf16", engines.GGUF_WEIGHTS["q4_1"]) if not here else (None,))
 

@@ -25,6 +25,18 @@ CPU_TOK_S: dict[str, tuple[float, float, float]] = {
     "llama.cpp q8_0": (88.7, 229.8, 208.0),
     "llama.cpp q4_1": (118.6, 167.6, 155.0),
 }
+# The same servers on a CPU with AVX2 alone (gpuwise's kernels built for it through SIMDe: serve/engines/gpuwise/
+# attention.py), where llama.cpp's own AVX2 kernels and bf16 (emulated there) rank otherwise
+CPU_TOK_S_AVX2_SOURCE = "benchmarks/llm_serve_load.py, 2-core AMD EPYC Zen 3 (AVX2), 2026-12-07"
+CPU_TOK_S_AVX2: dict[str, tuple[float, float, float]] = {
+    "gpuwise bf16": (35.1, 39.3, 25.5),
+    "gpuwise int8": (75.5, 112.9, 83.2),
+    "gpuwise int4": (91.0, 86.7, 91.3),
+    "llama.cpp q8_0": (20.3, 99.1, 134.4),
+    "llama.cpp q4_1": (24.1, 87.7, 96.1),
+}
+# the table `auto` reads by the instruction set gpuwise's CPU kernels are built for here (attention.isa)
+CPU_TOK_S_BY_ISA = {"AVX-512": (CPU_TOK_S, CPU_TOK_S_SOURCE), "AVX2": (CPU_TOK_S_AVX2, CPU_TOK_S_AVX2_SOURCE)}
 STREAM_LEVELS = (1, 8, 32)
 # speeds within this of the fastest count as the same (a run's servers differ by less than this from round to
 # round on a shared VM): the way preferred first is then taken
@@ -74,6 +86,7 @@ def auto_engine(
     streams: int = 32,
     adapters: bool = False,
     no_kernels: str = "",
+    isa: str = "AVX-512",
 ) -> AutoChoice:
     """`--engine auto`. The rule (docs/serving.md):
     - CUDA: vLLM where it is installed: CUDA graphs, paged-attention kernels, tensor and pipeline parallelism;
@@ -88,10 +101,13 @@ def auto_engine(
       of them. Each way's worst share of a level's fastest; within SAME_SPEED of the best of those, the first.
     - CPU otherwise: gpuwise's engine: ahead of llama.cpp on the same weights and of vLLM-CPU at 1, 8 and 32
       streams, its first tokens sooner; it also starts in seconds and holds about half vLLM's memory.
-    `no_kernels`: why gpuwise's decode kernels cannot run on this CPU (serve/engines/gpuwise/attention.py
-    `unavailable`; empty where they can). CPU_TOK_S was measured with them: without them a quantized GGUF goes to
-    llama.cpp where it is installed, else to gpuwise's engine dequantized to --dtype's precision (its int8 and
-    int4 need the kernels; bf16 on a CPU that only emulates it does not grow with the streams: docs/serving.md)."""
+    `isa`: the instruction set gpuwise's kernels are built for on this CPU (attention.isa: AVX-512, or AVX2
+    through SIMDe), which picks the table (CPU_TOK_S_BY_ISA). `no_kernels`: why the kernels cannot run on this
+    CPU (attention.unavailable; empty where they can). The tables were measured with them: without them a
+    quantized GGUF goes to llama.cpp where it is installed, else to gpuwise's engine dequantized to --dtype's
+    precision (its int8 and int4 need the kernels; bf16 on a CPU that only emulates it does not grow with the
+    streams: docs/serving.md)."""
+    table, source = CPU_TOK_S_BY_ISA[isa]
     if device == "cuda":
         if vllm_found:
             return AutoChoice("vllm", "auto: a CUDA device and vLLM installed (CUDA graphs, paged attention)")
@@ -105,26 +121,26 @@ def auto_engine(
                           "sooner" + bare + missing)  # fmt: skip
     if no_kernels:
         where = f"a {gguf_type.upper()} GGUF on a CPU"
-        table = f"{bare}, and the speeds `auto` compares ({CPU_TOK_S_SOURCE}) were measured with them"
+        unmeasured = f"{bare}, and the speeds `auto` compares ({source}) were measured with them"
         if llama_cpp_found:
-            return AutoChoice("llama.cpp", f"auto: {where}: llama.cpp serves it as it ships{table}")
+            return AutoChoice("llama.cpp", f"auto: {where}: llama.cpp serves it as it ships{unmeasured}")
         held = "dequantized to --dtype's precision (auto: bf16 where the CPU computes it, else fp32)"
-        return AutoChoice("gpuwise", f"auto: {where}: gpuwise's engine, {held}{table}{missing}")
+        return AutoChoice("gpuwise", f"auto: {where}: gpuwise's engine, {held}{unmeasured}{missing}")
     levels = [n for n in STREAM_LEVELS if n <= max(streams, 1)]
-    theirs_type = gguf_type if f"llama.cpp {gguf_type}" in CPU_TOK_S else _nearest_measured(gguf_type)
+    theirs_type = gguf_type if f"llama.cpp {gguf_type}" in table else _nearest_measured(gguf_type)
     # the ways to serve it, each with its measured tok/s at those levels, in the order preferred at the same
     # speed: gpuwise's engine on the file's own blocks (the least memory), on them dequantized to bf16, llama.cpp
     ways: list[tuple[str, str | None, tuple[float, ...]]] = [
-        ("gpuwise", w, CPU_TOK_S[f"gpuwise {w}"][: len(levels)]) for w in (GGUF_WEIGHTS.get(gguf_type), "bf16") if w
+        ("gpuwise", w, table[f"gpuwise {w}"][: len(levels)]) for w in (GGUF_WEIGHTS.get(gguf_type), "bf16") if w
     ]
     if llama_cpp_found:
-        ways.append(("llama.cpp", None, CPU_TOK_S[f"llama.cpp {theirs_type}"][: len(levels)]))
+        ways.append(("llama.cpp", None, table[f"llama.cpp {theirs_type}"][: len(levels)]))
     fastest = [max(speeds[i] for _, _, speeds in ways) for i in range(len(levels))]
     worst = [min(v / f for v, f in zip(speeds, fastest, strict=True)) for _, _, speeds in ways]
     engine, weights, _ = next(way for way, w in zip(ways, worst, strict=True) if w >= SAME_SPEED * max(worst))
     figures = ", ".join(f"{_way(e, w, theirs_type)} {'/'.join(f'{v:.0f}' for v in speeds)}" for e, w, speeds in ways)
     where = f"a {gguf_type.upper()} GGUF on a CPU, {_streams(streams)}"
-    measured = f"tok/s {_at(levels)}: {figures} ({CPU_TOK_S_SOURCE})"
+    measured = f"tok/s {_at(levels)}: {figures} ({source})"
     if engine == "llama.cpp":
         return AutoChoice("llama.cpp", f"auto: {where}: llama.cpp serves it as it ships; {measured}")
     held = "dequantized to bf16"

@@ -52,7 +52,8 @@ def choose_engine(
         # --engine gpuwise on a quantized GGUF: its weights as `auto` measures them between gpuwise's two ways
         gguf = quantized_gguf(refs[0][1])
         if gguf is not None and serving_device() == "cpu":
-            held = auto_engine("cpu", False, False, gguf, streams, no_kernels=attention.unavailable()).weights
+            held = auto_engine("cpu", False, False, gguf, streams, no_kernels=attention.unavailable(),
+                               isa=attention.isa()).weights  # fmt: skip
             chosen = replace(chosen, weights=held)
     if dtype not in (LLAMA_CPP_DTYPES if chosen.engine == "llama.cpp" else DTYPES[:4]):
         raise GpuwiseError(
@@ -105,7 +106,7 @@ def _choose(
     adapters = any(_is_lora_run(ref) for _, ref in refs)
     gguf = quantized_gguf(refs[0][1]) if dtype == "auto" and len(refs) == 1 else None
     no_kernels = attention.unavailable() if device == "cpu" else ""
-    choice = auto_engine(device, False, server is not None, gguf, streams, adapters, no_kernels)
+    choice = auto_engine(device, False, server is not None, gguf, streams, adapters, no_kernels, attention.isa())
     if choice.engine == "llama.cpp":
         assert server is not None
         llama_server_version(server[0])  # a build for another CPU is one line here, not a crash mid-request

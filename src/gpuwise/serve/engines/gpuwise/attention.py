@@ -1,5 +1,6 @@
 """Decode attention on a CPU: one new token per sequence against its cached keys and values, by a small AVX-512
-kernel (kernels/decode_attention.cpp) built here on first use; and in the same library, the product of a decode
+kernel (kernels/decode_attention.cpp; on a CPU with AVX2 alone the same source through SIMDe, `isa`) built here on
+first use; and in the same library, the product of a decode
 step's few rows by a weight (`gemv`): oneDNN's packed bf16 product of one row read the weight at a third of the
 memory's speed, the output layer's worst (docs/serving.md, "One stream").
 
@@ -14,8 +15,8 @@ Built with the system's C++ compiler against PyTorch's own headers and libraries
 PyTorch's thread pool), cached under gpuwise's cache directory by a hash of the source, the flags and the
 PyTorch version, in a directory of the user's own and checked against the SHA-256 recorded at build before it
 is loaded (`load`, below), then against SDPA on a small input. Where it cannot be built, loaded or trusted (no
-compiler, no AVX-512, `GPUWISE_KERNELS=0`, a cache others can write, a library that is not the one built, a
-failed self-check), `load` says why in one line and the decoder keeps SDPA; a kernel that fails a call later
+compiler, neither AVX-512 nor AVX2 with SIMDe's headers, `GPUWISE_KERNELS=0`, a cache others can write, a
+library that is not the one built, a failed self-check), `load` says why in one line and the decoder keeps SDPA; a kernel that fails a call later
 hands that decoder back to SDPA too (decoder.py)."""
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ from gpuwise.workloads.pretrained import cache_root
 log = logging.getLogger("gpuwise.serve")
 
 SOURCE = Path(__file__).with_name("kernels") / "decode_attention.cpp"
-FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
-FLAGS.append("-mf16c")  # the block formats' fp16 scales
+SHIM = SOURCE.with_name("avx512_on_avx2.h")  # the same kernels on a CPU with AVX2 alone, through SIMDe
+SIMDE = "simde/x86/avx512.h"
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp"]
 
 
 def _cpu_flags() -> set[str]:
@@ -55,10 +57,23 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-if "avx512_vnni" in _cpu_flags():  # int8 dot products in one instruction (the kernel has a two-step fallback)
-    FLAGS.append("-mavx512vnni")
-if {"amx_tile", "amx_bf16"} <= _cpu_flags():  # many rows by quantized weights on AMX's tiles (else the library's)
-    FLAGS += ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"]
+def _avx512() -> bool:
+    # PyTorch's own dispatch level for this CPU: AVX512 where the CPU has AVX-512 F/BW/DQ/VL
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX", "AVX512_AMX")
+
+
+def _avx2() -> bool:
+    return {"avx2", "fma", "f16c"} <= _cpu_flags()
+
+
+if _avx512():
+    FLAGS += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mf16c"]  # f16c: the block formats' scales
+    if "avx512_vnni" in _cpu_flags():  # int8 dot products in one instruction (the kernel has a two-step fallback)
+        FLAGS.append("-mavx512vnni")
+    if {"amx_tile", "amx_bf16"} <= _cpu_flags():  # many rows by quantized weights on AMX's tiles (else the library's)
+        FLAGS += ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"]
+else:
+    FLAGS += ["-mavx2", "-mfma", "-mf16c"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 GEMV_ROWS = 8  # kernels/decode_attention.cpp kMaxRows: the whole-step kernel's rows at most
 # A product alone (a step the whole-step kernel does not take: LoRA rows) goes to the product kernel up to this
@@ -244,9 +259,16 @@ class DecodeAttention:
         return out
 
 
-def _avx512() -> bool:
-    # PyTorch's own dispatch level for this CPU: AVX512 where the CPU has AVX-512 F/BW/DQ/VL
-    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX", "AVX512_AMX")
+def isa() -> str:
+    """The instruction set the kernels are built for on this CPU: AVX-512, or AVX2 (through SIMDe's headers,
+    kernels/avx512_on_avx2.h) where it has no AVX-512. `unavailable` says whether they can be built at all."""
+    return "AVX-512" if _avx512() else "AVX2"
+
+
+def _simde() -> bool:
+    """SIMDe's headers where the compiler looks by default (Debian's libsimde-dev puts them in /usr/include)."""
+    dirs = ["/usr/include", "/usr/local/include", *os.environ.get("CPATH", "").split(os.pathsep)]
+    return any(d and (Path(d) / SIMDE).is_file() for d in dirs)
 
 
 def _cache_dir() -> Path:
@@ -458,7 +480,14 @@ def unavailable() -> str:
     if os.environ.get("GPUWISE_KERNELS", "1") == "0":
         return "GPUWISE_KERNELS=0"
     if not _avx512():
-        return f"this CPU's PyTorch dispatch level is {torch.backends.cpu.get_cpu_capability()}, not AVX-512"
+        level = torch.backends.cpu.get_cpu_capability()
+        if not _avx2():
+            return f"this CPU's PyTorch dispatch level is {level}: neither AVX-512 nor AVX2 with FMA and F16C"
+        if not _simde():
+            return (
+                f"this CPU's PyTorch dispatch level is {level}, not AVX-512, and SIMDe's headers, which build the "
+                "kernels for AVX2, are not installed (apt install libsimde-dev)"
+            )
     if not hasattr(os, "O_NOFOLLOW") or not hasattr(os, "geteuid"):
         return "its private cache needs a POSIX system"
     if not _compiler():
@@ -472,7 +501,7 @@ def _load() -> tuple[DecodeAttention | None, str]:
         return None, why_not
     compiler = _compiler()
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join([*compiler, *FLAGS, _abi(), torch.__version__]).encode()
+        SOURCE.read_bytes() + SHIM.read_bytes() + " ".join([*compiler, *FLAGS, _abi(), torch.__version__]).encode()
     ).hexdigest()[:16]
     cache = _cache_dir()
     dir_fd, problem = _private_dir(cache)
@@ -508,7 +537,8 @@ def _load() -> tuple[DecodeAttention | None, str]:
             return _refused(problem, f"its self-check against SDPA failed ({wrong})")
     if problem:
         log.warning("decode attention kernel: %s; %s", problem, "rebuilt it" if private else "built a private one")
-    return kernel, f"gpuwise's AVX-512 decode attention ({source}, checked against SDPA at load)"
+    built_for = "AVX-512" if _avx512() else "AVX2 (through SIMDe)"
+    return kernel, f"gpuwise's {built_for} decode attention ({source}, checked against SDPA at load)"
 
 
 def _refused(problem: str, failed: str) -> tuple[None, str]:

@@ -11,7 +11,11 @@
 // sum run in fp32 whatever T is; the output is rounded to T once.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#ifdef __AVX512F__
 #include <immintrin.h>
+#else  // AVX2: the same intrinsics through SIMDe
+#include "avx512_on_avx2.h"
+#endif
 
 #include <omp.h>
 #include <sched.h>
@@ -180,7 +184,11 @@ void attend(const T* q, const T* k, const T* v, const int64_t* table, int64_t tb
 // in fp32 and the output is rounded to T once. x: [M, I] and out: [M, O] contiguous; the weight [O, I] is read
 // through a format (below): T itself with row stride w_so, or one of llama.cpp's block formats.
 constexpr int64_t kMaxRows = 8;
+#ifdef __AVX512F__
 constexpr int64_t kRowsAtOnce = 4;  // input rows a pass: R x 4 fp32 accumulators stay in registers
+#else  // AVX2's 16 registers hold one row's (gemv_block_avx2, qgemv_x4_avx2); more spilled, 8 rows 1.2-3x slower
+constexpr int64_t kRowsAtOnce = 1;
+#endif
 constexpr int64_t kBlock = 4;       // weight rows a pass
 constexpr int64_t kAhead = 4;       // weight rows ahead that a pass prefetches
 
@@ -253,16 +261,28 @@ inline uint64_t two_halves(const uint8_t* a, const uint8_t* b) {  // fp16 pairs 
   return static_cast<uint64_t>(lo) | static_cast<uint64_t>(hi) << 32;
 }
 
+// x negated where q is negative: the sign a product of |q| by x needs. AVX2's vpsignb (avx512_on_avx2.h) also
+// zeroes x where q is 0, where |q| is 0 too; SIMDe's mask of the signs is a loop over the bytes.
+#ifdef __AVX512F__
+using Signs = __mmask64;
+inline Signs signs(__m512i q) { return _mm512_movepi8_mask(q); }
+inline __m512i signed_by(__m512i x, Signs neg) { return _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x); }
+#else
+using Signs = __m512i;
+inline Signs signs(__m512i q) { return q; }
+inline __m512i signed_by(__m512i x, Signs q) { return _mm512_sign_epi8(x, q); }
+#endif
+
 struct Q8_0Pair {
   __m512i u;
-  __mmask64 neg;
+  Signs neg;
 };
 
 inline Q8_0Pair q8_0_quants2(const uint8_t* p, bool two) {
   const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
   const __m256i hi = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 36)) : _mm256_setzero_si256();
   const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  return {_mm512_abs_epi8(q), _mm512_movepi8_mask(q)};  // |-128| is 128 as an unsigned byte
+  return {_mm512_abs_epi8(q), signs(q)};  // |-128| is 128 as an unsigned byte
 }
 
 // u8 x s8 products summed in fours into 16 int32 lanes
@@ -275,7 +295,7 @@ inline __m512i dot_u8s8(__m512i u, __m512i s) {
 }
 
 inline __m512i dot2(const Q8_0Pair& w, __m512i x) {
-  return dot_u8s8(w.u, _mm512_mask_sub_epi8(x, w.neg, _mm512_setzero_si512(), x));
+  return dot_u8s8(w.u, signed_by(x, w.neg));
 }
 
 inline __m512i dot2(__m512i w, __m512i x) { return dot_u8s8(w, x); }
@@ -663,7 +683,7 @@ inline __m512i dot_biased(__m512i start, __m512i u, __m512i x) {
 #else
   (void)start;
   const __m512i q = _mm512_xor_si512(u, _mm512_set1_epi8(static_cast<char>(0x80)));
-  return dot_u8s8(_mm512_abs_epi8(q), _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(q), _mm512_setzero_si512(), x));
+  return dot_u8s8(_mm512_abs_epi8(q), signed_by(x, signs(q)));
 #endif
 }
 
@@ -671,11 +691,75 @@ inline __m512i dot_biased(__m512i start, __m512i u, __m512i x) {
 // stream, fell well behind a plain read, and 16 on read faster than 4 (benchmarks/block_read.cpp; docs/serving.md)
 constexpr int64_t kPairsAhead = 16;
 
+#ifndef __AVX512F__
+// qgemv_x4 below at one input row, in AVX2 itself: through SIMDe's 512-bit values its accumulators went through
+// the stack every pair (1.9 ms for a 9.7 MB Q8_0x4 weight; docs/serving.md). Each row's sums are two registers
+// that hold what the AVX-512 lanes 0-7 and 8-15 hold, summed the same way: Q8_0x4's sums are bitwise
+// qgemv_i8's on the Q8_0 it interleaves, as there.
+template <typename W, typename B, typename Emit>
+inline void qgemv_x4_avx2(const Acts& x, const W& w, const B* bias, int64_t I, int64_t o0, Emit&& emit) {
+  constexpr bool kMin = W::kMin;
+  const int64_t pairs = I / 64, nb = I / 32;
+  const uint8_t* p = w.pair(o0, 0);
+  constexpr int64_t ahead = kPairsAhead * W::kPair;
+  const char* asked = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p + ahead) & ~uintptr_t{63});
+  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[4][2], off = _mm256_setzero_ps();
+  for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  alignas(32) float sc[8];
+  for (int64_t k = 0; k < pairs; ++k, p += W::kPair) {
+    for (const char* until = reinterpret_cast<const char*>(p + ahead + W::kPair); asked < until; asked += 64)
+      _mm_prefetch(asked, _MM_HINT_T0);
+    const float* xd = x.d + 2 * k;
+    const __m256 dx = _mm256_insertf128_ps(_mm256_set1_ps(xd[0]), _mm_set1_ps(xd[1]), 1);
+    // [rows 0-3 of block b, rows 0-3 of b + 1], each times its block's d_x
+    _mm256_store_ps(sc, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), dx));
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + k * 64));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + k * 64 + 32));
+    if constexpr (kMin) {
+      const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+      const float* xs = x.sums + 2 * k;
+      off = _mm256_fmadd_ps(m8, _mm256_insertf128_ps(_mm256_set1_ps(xs[0]), _mm_set1_ps(xs[1]), 1), off);
+      // the nibbles' x: [b 0-15 | b + 1 0-15] for the low ones, [b 16-31 | b + 1 16-31] for the high
+      const __m256i xl = _mm256_permute2x128_si256(x0, x1, 0x20), xh = _mm256_permute2x128_si256(x0, x1, 0x31);
+      for (int r = 0; r < 4; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + r * 32));
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        const __m256i dl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), ones);  // lanes 0-3 b's, 4-7 b + 1's
+        const __m256i dh = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), ones);
+        const __m256 s = _mm256_setr_ps(sc[r], sc[r], sc[r], sc[r], sc[4 + r], sc[4 + r], sc[4 + r], sc[4 + r]);
+        acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dl, dh)), s, acc[r][0]);
+      }
+    } else {
+      for (int r = 0; r < 4; ++r) {
+        const __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + r * 64)), flip);
+        const __m256i q1 =
+            _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + r * 64 + 32)), flip);
+        const __m256i d0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q0), _mm256_sign_epi8(x0, q0)), ones);
+        const __m256i d1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q1), _mm256_sign_epi8(x1, q1)), ones);
+        acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_broadcast_ss(sc + r), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_broadcast_ss(sc + 4 + r), acc[r][1]);
+      }
+    }
+  }
+  alignas(32) float o[8];
+  _mm256_store_ps(o, off);
+  for (int r = 0; r < 4; ++r) {
+    const float b = bias ? static_cast<float>(bias[o0 + r]) : 0.f;
+    emit(0, o0 + r, gw_sum8(_mm256_add_ps(acc[r][0], acc[r][1])) + (kMin ? o[r] + o[4 + r] : 0.f) + b);
+  }
+}
+#endif
+
 // qgemv_i8 for an interleaved format (Q8_0x4, Q4_1x4): the group of 4 weight rows at o0 (a multiple of 4), two
 // blocks a step, the 4 rows' scales one load, times MM input rows. On Q8_0x4 the same sums in the same order as
 // qgemv_i8's on the Q8_0 it interleaves; Q4_1's offset m comes in as m times the block's sum of x, 4 rows at once.
 template <int MM, typename W, typename B, typename Emit>
 inline void qgemv_x4(const Acts& x, const W& w, const B* bias, int64_t I, int64_t o0, Emit&& emit) {
+#ifndef __AVX512F__
+  if constexpr (MM == 1) return qgemv_x4_avx2(x, w, bias, I, o0, emit);
+#endif
   constexpr bool kMin = W::kMin;
   const int64_t pairs = I / 64, nb = I / 32;
   const uint8_t* p = w.pair(o0, 0);
@@ -733,10 +817,50 @@ inline void qgemv_x4(const Acts& x, const W& w, const B* bias, int64_t I, int64_
   }
 }
 
+#ifndef __AVX512F__
+// gemv_block below at one input row with its sums in AVX2's registers (why: qgemv_x4_avx2), the weight read as
+// there; the same sums in the same order.
+template <typename W, typename B, typename Emit>
+inline void gemv_block_avx2(const float* xf, const W& w, const B* bias, int64_t I, int64_t o0, int64_t rows,
+                            Emit&& emit) {
+  constexpr int64_t R = kBlock;
+  const int64_t full = I / 16 * 16, tail = I - full;
+  __m256 acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < full; i += 16) {
+    if (i % W::kEvery == 0)
+      for (int64_t r = 0; r < R; ++r)
+        _mm_prefetch(static_cast<const char*>(w.at(o0 + kAhead + r, i)), _MM_HINT_T0);
+    const __m256 x0 = _mm256_loadu_ps(xf + i), x1 = _mm256_loadu_ps(xf + i + 8);
+    for (int64_t r = 0; r < R; ++r)
+      if (r < rows) {
+        const __m512 v = w.load(o0 + r, i);
+        acc[r][0] = _mm256_fmadd_ps(gw_lo(v), x0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(gw_hi(v), x1, acc[r][1]);
+      }
+  }
+  if (tail) {
+    const __m512 xv = load_tail(xf + full, tail);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 v = w.tail(o0 + r, full, tail);
+      acc[r][0] = _mm256_fmadd_ps(gw_lo(v), gw_lo(xv), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(gw_hi(v), gw_hi(xv), acc[r][1]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float b = bias ? static_cast<float>(bias[o0 + r]) : 0.f;
+    emit(0, o0 + r, gw_sum8(_mm256_add_ps(acc[r][0], acc[r][1])) + b);
+  }
+}
+#endif
+
 // Output rows m0 .. m0 + MM of output columns o0 .. o0 + rows (rows <= kBlock), each weight row read once a
 // pass: emit(m, o, the fp32 sum plus the bias) for each, m counted from m0.
 template <int MM, typename W, typename B, typename Emit>
 inline void gemv_block(const float* xf, const W& w, const B* bias, int64_t I, int64_t o0, int64_t rows, Emit&& emit) {
+#ifndef __AVX512F__
+  if constexpr (MM == 1) return gemv_block_avx2(xf, w, bias, I, o0, rows, emit);
+#endif
   constexpr int64_t R = kBlock;
   const int64_t full = I / 16 * 16, tail = I - full;
   __m512 acc[R][MM];
