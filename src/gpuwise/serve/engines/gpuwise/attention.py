@@ -16,8 +16,8 @@ PyTorch's thread pool), cached under gpuwise's cache directory by a hash of the 
 PyTorch version, in a directory of the user's own and checked against the SHA-256 recorded at build before it
 is loaded (`load`, below), then against SDPA on a small input. Where it cannot be built, loaded or trusted (no
 compiler, neither AVX-512 nor AVX2 with SIMDe's headers, `GPUWISE_KERNELS=0`, a cache others can write, a
-library that is not the one built, a failed self-check), `load` says why in one line and the decoder keeps SDPA; a kernel that fails a call later
-hands that decoder back to SDPA too (decoder.py)."""
+library that is not the one built, a failed self-check), `load` says why in one line and the decoder keeps
+SDPA; a kernel that fails a call later hands that decoder back to SDPA too (decoder.py)."""
 
 from __future__ import annotations
 
