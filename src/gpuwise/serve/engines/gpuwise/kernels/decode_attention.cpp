@@ -186,7 +186,7 @@ void attend(const T* q, const T* k, const T* v, const int64_t* table, int64_t tb
 constexpr int64_t kMaxRows = 8;
 #ifdef __AVX512F__
 constexpr int64_t kRowsAtOnce = 4;  // input rows a pass: R x 4 fp32 accumulators stay in registers
-#else  // AVX2's 16 registers hold one row's (gemv_block_avx2, qgemv_x4_avx2); more spilled, 8 rows 1.2-3x slower
+#else  // AVX2's 16 registers hold one row's sums (gemv_block_avx2, qgemv_x4_avx2); more spilled (docs/serving.md)
 constexpr int64_t kRowsAtOnce = 1;
 #endif
 constexpr int64_t kBlock = 4;       // weight rows a pass
@@ -693,7 +693,7 @@ constexpr int64_t kPairsAhead = 16;
 
 #ifndef __AVX512F__
 // qgemv_x4 below at one input row, in AVX2 itself: through SIMDe's 512-bit values its accumulators went through
-// the stack every pair (1.9 ms for a 9.7 MB Q8_0x4 weight; docs/serving.md). Each row's sums are two registers
+// the stack every pair (docs/serving.md has the figures). Each row's sums are two registers
 // that hold what the AVX-512 lanes 0-7 and 8-15 hold, summed the same way: Q8_0x4's sums are bitwise
 // qgemv_i8's on the Q8_0 it interleaves, as there.
 template <typename W, typename B, typename Emit>
